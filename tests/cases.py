@@ -1,0 +1,60 @@
+"""The awkward batches every CP parity test runs, and the per-rank worker that runs them."""
+
+from __future__ import annotations
+
+from vlmcp_patch.testing import IMAGE_TOKEN_ID, Segment, build_model, make_batch, tiny_qwen3_vl_config
+
+S = Segment
+
+# 55 tokens: not a multiple of 2 or 4; the shard edges at P=2 and P=4 fall inside image spans.
+MULTI_IMAGE = [[S(text=5), S(image=(32, 24)), S(text=6), S(image=(16, 16)), S(text=4), S(image=(24, 40)), S(text=3)]]
+TEXT_ONLY = [[S(text=23)]]
+PADDED_PAIR = [
+    [S(text=4), S(image=(16, 24)), S(text=9)],
+    [S(text=7), S(image=(16, 16)), S(text=3), S(image=(24, 16)), S(text=2)],
+]
+
+QWEN3_VL_CASES = {
+    "multi_image": ({}, MULTI_IMAGE),
+    "text_only": ({}, TEXT_ONLY),
+    "padded_pair": ({}, PADDED_PAIR),
+    "one_kv_head": ({"num_key_value_heads": 1}, MULTI_IMAGE),
+    "moe_multi_image": ({"moe": True}, MULTI_IMAGE),
+    "moe_padded_pair": ({"moe": True}, PADDED_PAIR),
+    "moe_text_only": ({"moe": True}, TEXT_ONLY),
+}
+
+
+def image_spans(input_ids) -> list[tuple[int, int]]:
+    spans, start = [], None
+    row = input_ids[0].tolist() + [None]
+    for i, tok in enumerate(row):
+        if tok == IMAGE_TOKEN_ID and start is None:
+            start = i
+        elif tok != IMAGE_TOKEN_ID and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def crosses_shard_edge(input_ids, cp_size: int) -> bool:
+    local = -(-input_ids.shape[1] // cp_size)
+    edges = range(local, input_ids.shape[1], local)
+    return any(a < e < b for a, b in image_spans(input_ids) for e in edges)
+
+
+def run_cases(rank: int, world_size: int, cp_size: int, names: list[str], attn: str = "sdpa") -> dict:
+    from tests.parity import compare
+
+    results = {}
+    for name in names:
+        config_kwargs, layout = QWEN3_VL_CASES[name]
+        config = tiny_qwen3_vl_config(attn_implementation=attn, **config_kwargs)
+        model = build_model(config, seed=1)
+        batch = make_batch(layout, seed=7)
+        metrics = compare(model, batch, cp_size)
+        metrics["seq_len"] = batch["input_ids"].shape[1]
+        metrics["image_crosses_edge"] = crosses_shard_edge(batch["input_ids"], cp_size)
+        metrics["num_layers"] = config.text_config.num_hidden_layers
+        results[name] = metrics
+    return results

@@ -1,0 +1,83 @@
+"""Run a function on several processes joined by a gloo process group, with a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, results, args, env):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - report anything to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None):
+    """`fn(rank, world_size, *args)` on `world_size` spawned processes; returns the results in rank order.
+
+    Any rank's exception fails the call with that rank's traceback; if the ranks do not all finish
+    within `timeout` seconds (a hang in a collective), every process is killed and the call fails.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, env or {}), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{fn.__name__} on {world_size} processes did not finish within {timeout}s")
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 5))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) and results.empty():
+                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    raise RuntimeError(f"rank(s) {dead} died without reporting") from None
+                continue
+            if status == "ok":
+                out[rank] = value
+            else:
+                errors.append((rank, value))
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank, tb = errors[0]
+        raise RuntimeError(f"rank {rank} failed:\n{tb}")
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,99 @@
+"""CP-vs-stock parity runs, executed inside the spawned ranks.
+
+The reference is stock transformers itself: the patches are reverted while it runs, on the same
+model instance and the same batch. Then CP runs and every rank compares loss, logits and the
+gradients *summed over its CP group* against the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - e| / max |e| (norm-wise relative error of the whole tensor)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    scale = expected.abs().max().clamp_min(1e-30)
+    return float((actual - expected).abs().max() / scale)
+
+
+class ExchangeCounter:
+    """Counts all-to-all calls: proof that the sequence/head exchange really ran."""
+
+    def __init__(self):
+        self.calls = 0
+        self._orig = dist.all_to_all_single
+
+    def __enter__(self):
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self._orig(*args, **kwargs)
+
+        dist.all_to_all_single = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self._orig
+
+
+def _forward_backward(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def compare(model, batch: dict, cp_size: int) -> dict:
+    """Run stock (patches reverted) then CP on `model`; return the worst relative errors and counts."""
+    import vlmcp_patch
+
+    vlmcp_patch.revert()
+    try:
+        ref_out, ref_grads = _forward_backward(model, batch)
+        with torch.no_grad():
+            ref_logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    finally:
+        vlmcp_patch.apply()
+
+    vlmcp_patch.enable(cp_size=cp_size)
+    try:
+        with ExchangeCounter() as counter:
+            out, grads = _forward_backward(model, batch)
+        exchanges = counter.calls
+        with torch.no_grad():
+            full_logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    finally:
+        vlmcp_patch.enable(cp_size=1)
+
+    cp = vlmcp_patch.get_cp_group(cp_size)
+    per_rank_equal = all(torch.equal(grads.get(n, torch.zeros_like(g)), g) for n, g in ref_grads.items())
+    summed = {}
+    for name, grad in grads.items():
+        total = grad.clone()
+        dist.all_reduce(total, group=cp.group)
+        summed[name] = total
+    missing = sorted(set(ref_grads) - set(summed))
+    grad_errs = {n: rel_err(summed[n], g) for n, g in ref_grads.items() if n in summed}
+    worst_grad = max(grad_errs, key=grad_errs.get)
+
+    # With labels the logits stay local: compare this rank's slice of the reference.
+    seq = batch["input_ids"].shape[1]
+    local = -(-seq // cp_size)
+    start = cp.rank * local
+    ref_slice = ref_out.logits[:, start : min(start + local, seq)]
+    return {
+        "loss": float(out.loss),
+        "ref_loss": float(ref_out.loss),
+        "loss_err": rel_err(out.loss, ref_out.loss),
+        "local_logits_err": rel_err(out.logits[:, : ref_slice.shape[1]], ref_slice),
+        "logits_err": rel_err(full_logits, ref_logits),
+        "logits_shape_ok": tuple(full_logits.shape) == tuple(ref_logits.shape),
+        "grad_err": grad_errs[worst_grad],
+        "worst_grad": worst_grad,
+        "missing_grads": missing,
+        "num_params": len(ref_grads),
+        "exchanges": exchanges,
+        "per_rank_grads_equal_reference": per_rank_equal,
+    }

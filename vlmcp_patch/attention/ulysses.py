@@ -1,0 +1,99 @@
+"""Ulysses all-to-all around transformers' `sdpa` and `flash_attention_2` attention functions.
+
+The wrappers are registered in transformers' attention registry in place of the stock entries. They
+act only when a call carries the `vlmcp_ctx` keyword, which the patched text decoder adds under CP;
+every other caller (the vision tower, models we do not patch, CP off) reaches the stock function
+unchanged.
+
+Under CP a decoder layer holds q/k/v for its local slice of the sequence and all heads. The exchange
+turns them into the whole sequence for H/P heads, runs the stock kernel with the *global* sample
+boundaries, and turns the output back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..collectives import all_to_all
+from ..context import CTX_KWARG, CPContext
+from .heads import kv_replication
+
+HEADS, SEQ = 1, 2  # layout of q/k/v given to attention functions: (batch, heads, seq, head_dim)
+
+# Keyword arguments that describe the *local* sequence; under CP the global ones replace them.
+_LOCAL_SEQUENCE_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class _LocalHeads:
+    """A view of an attention module with the KV grouping of this rank's share of the heads."""
+
+    def __init__(self, module: torch.nn.Module, num_key_value_groups: int):
+        self._module = module
+        self.num_key_value_groups = num_key_value_groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _sdpa_global(original, module, q, k, v, ctx: CPContext, kwargs):
+    if ctx.segments is not None:
+        # One causal call per packed sample: no (S x S) mask is ever built.
+        outs = [
+            original(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, **{**kwargs, "is_causal": True})[0]
+            for a, b in ctx.segments
+        ]
+        return torch.cat(outs, dim=1)
+    mask = None
+    if ctx.padding_mask is not None:
+        n = ctx.padded_len
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        mask = causal[None, None] & ctx.padding_mask[:, None, None, :].to(q.device)
+    return original(module, q, k, v, mask, **kwargs)[0]
+
+
+def _flash_global(original, module, q, k, v, ctx: CPContext, kwargs):
+    if ctx.segments is not None:
+        cu = ctx.cu_seqlens.to(q.device)
+        longest = ctx.max_segment_len
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        return original(module, q, k, v, None, **kwargs)[0]
+    mask = None if ctx.padding_mask is None else ctx.padding_mask.to(device=q.device, dtype=torch.int32)
+    return original(module, q, k, v, mask, **kwargs)[0]
+
+
+_GLOBAL_CALL = {"sdpa": _sdpa_global, "flash": _flash_global}
+
+
+def attention_over_cp(original, flavor: str, module, query, key, value, ctx: CPContext, kwargs) -> torch.Tensor:
+    group, size = ctx.cp.group, ctx.cp.size
+    num_heads, num_kv = query.shape[HEADS], key.shape[HEADS]
+    repeat = kv_replication(num_heads, num_kv, size, what=type(module).__name__)
+    if repeat > 1:
+        key = key.repeat_interleave(repeat, dim=HEADS)
+        value = value.repeat_interleave(repeat, dim=HEADS)
+    q, k, v = (all_to_all(t, HEADS, SEQ, group, size) for t in (query, key, value))
+    local = _LocalHeads(module, q.shape[HEADS] // k.shape[HEADS])
+    for name in _LOCAL_SEQUENCE_KWARGS:
+        kwargs.pop(name, None)
+    out = _GLOBAL_CALL[flavor](original, local, q, k, v, ctx, kwargs)  # (B, S, H/P, D)
+    ctx.exchanges["attention"] += 4
+    return all_to_all(out, 1, 2, group, size)  # (B, S/P, H, D)
+
+
+def ulysses_attention(original: Callable, flavor: str) -> Callable:
+    """Wrap a registry attention function so decoder calls under CP go through the Ulysses exchange."""
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        ctx = kwargs.pop(CTX_KWARG, None)
+        if ctx is None:
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        if args:
+            raise TypeError("vlmcp_patch: attention functions are called with keyword arguments after the mask")
+        return attention_over_cp(original, flavor, module, query, key, value, ctx, kwargs), None
+
+    attention.__name__ = f"vlmcp_ulysses_{getattr(original, '__name__', flavor)}"
+    attention.__wrapped__ = original
+    attention.vlmcp_original = original
+    return attention

@@ -1,0 +1,97 @@
+"""Differentiable collectives over the CP group.
+
+Each autograd function states the gradient contract it implements. The package-wide rule is: every
+rank calls `backward()` on its own copy of the same scalar loss, and a parameter's gradient *summed
+over the CP group* is the full gradient. Collectives are chosen so that no contribution is counted
+twice and none is dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _split_contiguous(x: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:
+    return [c.contiguous() for c in x.chunk(parts, dim=dim)]
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size: int) -> torch.Tensor:
+    """Split `x` in `size` chunks along `scatter_dim`, send chunk j to rank j, concat received along `gather_dim`."""
+    if x.shape[scatter_dim] % size:
+        raise ValueError(f"dimension {scatter_dim} of size {x.shape[scatter_dim]} cannot be split over {size} ranks")
+    send = torch.stack(_split_contiguous(x, size, scatter_dim))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Sequence-sharded <-> head-sharded exchange. Its adjoint is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group, size):
+        ctx.dims, ctx.group, ctx.size = (scatter_dim, gather_dim), group, size
+        return _all_to_all(x, scatter_dim, gather_dim, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.group, ctx.size), None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size: int) -> torch.Tensor:
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group, size)
+
+
+class _GatherKeepLocalGrad(torch.autograd.Function):
+    """All-gather along `dim`; backward keeps this rank's slice of the gradient, with no communication.
+
+    Every rank is assumed to compute the same function of the gathered tensor (for example the same
+    loss from gathered logits). Each rank then back-propagates only through its own slice, so the
+    gradients summed over the group count every position exactly once.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, group, size, rank):
+        ctx.dim, ctx.size, ctx.rank = dim, size, rank
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None, None
+
+
+def gather_keep_local_grad(x: torch.Tensor, dim: int, group, size: int, rank: int) -> torch.Tensor:
+    return _GatherKeepLocalGrad.apply(x, dim, group, size, rank)
+
+
+class _SumKeepLocalGrad(torch.autograd.Function):
+    """All-reduce (sum) whose backward is the identity.
+
+    Used for the loss: the value is the group's total on every rank, and each rank seeds gradient
+    only into its own share of it, so the group's gradients add up to the gradient of the total.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_keep_local_grad(x: torch.Tensor, group) -> torch.Tensor:
+    return _SumKeepLocalGrad.apply(x, group)
+
+
+def all_gather_small(values: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Gather a small 1-D tensor from every rank of the group (no autograd): shape (size, n)."""
+    parts = [torch.empty_like(values) for _ in range(size)]
+    dist.all_gather(parts, values, group=group)
+    return torch.stack(parts)

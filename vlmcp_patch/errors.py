@@ -1,0 +1,17 @@
+"""Exceptions raised by vlmcp-patch. Each message says what to change."""
+
+
+class VLMCPError(RuntimeError):
+    """Base class of every error raised by vlmcp-patch."""
+
+
+class PatchTargetError(VLMCPError):
+    """A patch target is missing from, or has changed in, the installed transformers."""
+
+
+class UnsupportedSetupError(VLMCPError, ValueError):
+    """The model, its configuration or the distributed setup cannot run exactly under CP."""
+
+
+class CPInputError(VLMCPError, ValueError):
+    """A batch that context parallelism cannot split exactly (or that is malformed)."""

@@ -1,0 +1,292 @@
+"""The CP forward shared by the Qwen3-VL and Qwen3.5 families.
+
+Two wrappers carry it:
+
+* `cp_top_level_forward` wraps the user-facing forward (`...ForConditionalGeneration`,
+  `...ForCausalLM`). It validates the batch and the setup before any compute, creates the
+  `CPContext`, lets the stock forward run (vision tower, placement, deepstack and mRoPE on the full
+  sequence), then computes the loss over the group or gathers the logits.
+* `cp_text_model_forward` wraps the text decoder. Handed the context, it cuts the full-sequence
+  inputs down to this rank's slice and runs the stock decoder on it, with the context riding along
+  to the attention layers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.heads import kv_replication
+from ..collectives import all_gather_small
+from ..context import CTX_KWARG, CPContext, bypassed, take_pending
+from ..distributed import CPGroup, get_cp_group
+from ..errors import CPInputError, UnsupportedSetupError
+from ..loss import sharded_causal_lm_loss
+from ..settings import SETTINGS
+
+SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
+SUPPORTED_CLASSES: list[str] = []  # filled by the model family modules, for error messages
+
+
+def active_cp() -> CPGroup | None:
+    """The CP group for this forward, or None when CP is off (size 1 or inside `vlmcp_patch.disabled()`)."""
+    if SETTINGS.cp_size == 1 or bypassed():
+        return None
+    return get_cp_group()
+
+
+def call_arguments(wrapped, args, kwargs) -> dict:
+    """All arguments of a call as keywords, including those collected by the target's `**kwargs`."""
+    sig = inspect.signature(wrapped)
+    bound = sig.bind_partial(*args, **kwargs).arguments
+    var_kw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    call = dict(bound)
+    if var_kw is not None:
+        call.update(call.pop(var_kw, {}))
+    return call
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks made before any compute
+
+
+@dataclass
+class Problem:
+    """A reason this rank cannot run the batch under CP; raised on every rank of the group."""
+
+    error: type
+    message: str
+
+
+def _check_setup(model, cp: CPGroup, call: dict) -> Problem | None:
+    text_config = model.config.get_text_config()
+    impl = text_config._attn_implementation
+    if impl not in SUPPORTED_ATTENTION:
+        return Problem(
+            UnsupportedSetupError,
+            f"attn_implementation={impl!r} is not supported under CP (VLMCP_CP_SIZE={cp.size}); load the model "
+            f"with attn_implementation='sdpa' or 'flash_attention_2'.",
+        )
+    try:
+        kv_replication(
+            text_config.num_attention_heads, text_config.num_key_value_heads, cp.size, what=type(model).__name__
+        )
+    except UnsupportedSetupError as exc:
+        return Problem(UnsupportedSetupError, str(exc))
+    if call.get("past_key_values") is not None:
+        return Problem(
+            UnsupportedSetupError,
+            "a past_key_values cache (incremental decoding) cannot be used under CP; run generation inside "
+            "`with vlmcp_patch.disabled():` or with VLMCP_CP_SIZE=1.",
+        )
+    keep = call.get("logits_to_keep", 0)
+    if not (isinstance(keep, int) and keep == 0):
+        return Problem(
+            UnsupportedSetupError,
+            "logits_to_keep is not supported under CP (generation uses it); run generation inside "
+            "`with vlmcp_patch.disabled():`.",
+        )
+    router = call.get("output_router_logits")
+    if router is None:
+        router = getattr(text_config, "output_router_logits", False)
+    if router:
+        return Problem(
+            UnsupportedSetupError,
+            "the MoE router auxiliary loss (output_router_logits=True) is not supported under CP yet; "
+            "set config.text_config.output_router_logits=False.",
+        )
+    return None
+
+
+def _check_batch(model, call: dict) -> Problem | None:
+    input_ids = call.get("input_ids")
+    reference = input_ids if input_ids is not None else call.get("inputs_embeds")
+    if reference is None:
+        return Problem(CPInputError, "pass input_ids or inputs_embeds")
+    mask = call.get("attention_mask")
+    if mask is not None:
+        if mask.ndim != 2:
+            return Problem(CPInputError, "under CP attention_mask must be the 2D (batch, seq) padding mask")
+        if bool((mask[:, 1:].long() > mask[:, :-1].long()).any()):
+            return Problem(
+                CPInputError,
+                "attention_mask has left padding (or holes); under CP pad on the right "
+                "(tokenizer.padding_side = 'right') or pack samples without padding.",
+            )
+        positions = call.get("position_ids")
+        if positions is not None and positions.ndim == 2 and bool((positions[:, 1:] - positions[:, :-1] != 1).any()):
+            return Problem(
+                CPInputError,
+                "a batch with both attention_mask and restarting position_ids (packed samples) is ambiguous; "
+                "pass packed rows without attention_mask, or padded rows without position_ids.",
+            )
+    config = model.config
+    for kind, pixels, grid, token in (
+        ("image", "pixel_values", "image_grid_thw", "image_token_id"),
+        ("video", "pixel_values_videos", "video_grid_thw", "video_token_id"),
+    ):
+        if call.get(pixels) is None or input_ids is None:
+            continue
+        if call.get(grid) is None:
+            return Problem(CPInputError, f"{pixels} was given without {grid}")
+        merge = config.vision_config.spatial_merge_size
+        expected = int((call[grid].prod(-1) // merge**2).sum())
+        found = int((input_ids == getattr(config, token)).sum())
+        if expected != found:
+            return Problem(
+                CPInputError,
+                f"{kind} features and {kind} tokens do not match: {grid} gives {expected} {kind} tokens but "
+                f"input_ids holds {found}; build input_ids with the same processor as the {pixels}.",
+            )
+    return None
+
+
+def _batch_fingerprint(call: dict) -> list[int]:
+    input_ids = call.get("input_ids")
+    reference = input_ids if input_ids is not None else call.get("inputs_embeds")
+    if reference is None:
+        return [0, 0, 0]
+    checksum = 0
+    if input_ids is not None:
+        weights = torch.arange(1, input_ids.shape[-1] + 1, device=input_ids.device) % 9973 + 1
+        checksum = int((input_ids.long() * weights).sum())
+    return [reference.shape[0], reference.shape[1], checksum]
+
+
+def agree_on_batch(cp: CPGroup, problem: Problem | None, call: dict) -> None:
+    """One small all-gather: every rank learns whether any rank failed its checks or got another batch.
+
+    Raising on every rank together is what keeps a bad batch from leaving some ranks waiting in a
+    collective that the others never reach.
+    """
+    local = torch.tensor([int(problem is not None), *_batch_fingerprint(call)], dtype=torch.long)
+    gathered = all_gather_small(local, cp.group, cp.size)
+    if problem is not None:
+        raise problem.error(problem.message)
+    failed = gathered[:, 0].nonzero().flatten().tolist()
+    if failed:
+        raise CPInputError(f"CP rank(s) {failed} of this group rejected the batch; see the error on those ranks")
+    if not bool((gathered[:, 1:] == gathered[0, 1:]).all()):
+        raise CPInputError(
+            "the ranks of a CP group received different batches (shape or input_ids differ): every rank of a CP "
+            "group must get the same micro-batch; shard data over data-parallel ranks only "
+            "(vlmcp_patch.data_parallel_rank() / data_parallel_world_size())."
+        )
+
+
+def _pin_vision_to_sdpa(model) -> None:
+    # The vision tower runs un-sharded and bidirectional; sdpa keeps it away from flash-attention entries.
+    vision = getattr(model.config, "vision_config", None)
+    if vision is not None and vision._attn_implementation != "sdpa":
+        vision._attn_implementation = "sdpa"
+
+
+def _text_position_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    if position_ids is None:
+        return None
+    if position_ids.ndim == 2:
+        return position_ids
+    if position_ids.ndim == 3 and position_ids.shape[0] == 4:
+        return position_ids[0]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The wrappers
+
+
+def cp_top_level_forward(wrapped, instance, args, kwargs):
+    cp = active_cp()
+    if cp is None:
+        return wrapped(*args, **kwargs)
+    call = call_arguments(wrapped, args, kwargs)
+    agree_on_batch(cp, _check_setup(instance, cp, call) or _check_batch(instance, call), call)
+    _pin_vision_to_sdpa(instance)
+
+    reference = call["input_ids"] if call.get("input_ids") is not None else call["inputs_embeds"]
+    ctx = CPContext.create(
+        cp,
+        batch_size=reference.shape[0],
+        seq_len=reference.shape[1],
+        device=reference.device,
+        attention_mask=call.get("attention_mask"),
+        text_position_ids=_text_position_ids(call.get("position_ids")),
+    )
+    labels = call.pop("labels", None)
+    shift_labels = call.pop("shift_labels", None)
+    num_items_in_batch = call.pop("num_items_in_batch", None)
+    return_dict = call.pop("return_dict", None)
+    with ctx.handed_to_decoder():
+        out = wrapped(**call, return_dict=True)
+
+    fields = dict(out)
+    if labels is not None or shift_labels is not None:
+        fields["loss"] = sharded_causal_lm_loss(
+            out.logits,
+            ctx,
+            vocab_size=instance.config.get_text_config().vocab_size,
+            labels=labels,
+            shift_labels=shift_labels,
+            num_items_in_batch=num_items_in_batch,
+        )
+        if SETTINGS.gather_logits_with_labels:
+            fields["logits"] = ctx.gather(out.logits, dim=1)
+    else:
+        fields["logits"] = ctx.gather(out.logits, dim=1)
+    out = type(out)(**fields)
+    if return_dict is False:
+        return out.to_tuple()
+    return out
+
+
+def _shard_visual_rows(ctx: CPContext, visual_pos_masks, deepstack_visual_embeds):
+    """This rank's slice of the visual mask and the deepstack rows of the visual tokens inside it."""
+    full = ctx.pad(visual_pos_masks, dim=1, value=False)
+    # Row i of a deepstack tensor belongs to the i-th visual token in (batch, seq) order.
+    row_of_token = (full.flatten().cumsum(0) - 1).view_as(full)
+    local_mask = full[:, ctx.local_slice]
+    rows = row_of_token[:, ctx.local_slice][local_mask]
+    local_embeds = None
+    if deepstack_visual_embeds is not None:
+        local_embeds = [embeds[rows.to(embeds.device)] for embeds in deepstack_visual_embeds]
+    return local_mask, local_embeds
+
+
+def cp_text_model_forward(wrapped, instance, args, kwargs):
+    ctx = take_pending()
+    if ctx is None:
+        if active_cp() is not None:
+            raise UnsupportedSetupError(
+                f"{type(instance).__name__} was called directly under CP; CP runs through the top-level model "
+                f"classes: {', '.join(SUPPORTED_CLASSES)}. Call one of those, or wrap this call in "
+                "`with vlmcp_patch.disabled():`."
+            )
+        return wrapped(*args, **kwargs)
+    call = call_arguments(wrapped, args, kwargs)
+    embeds = call.pop("inputs_embeds", None)
+    input_ids = call.pop("input_ids", None)
+    if embeds is None:
+        embeds = instance.embed_tokens(input_ids)
+    batch, seq = embeds.shape[:2]
+
+    positions = call.pop("position_ids", None)
+    if positions is None:
+        positions = torch.arange(seq, device=embeds.device).view(1, 1, -1).expand(3, batch, -1)
+    elif positions.ndim == 2:
+        positions = positions[None].expand(3, -1, -1)
+    elif positions.shape[0] == 4:
+        positions = positions[1:]
+    # Three rows (no text row): the stock decoder then builds no mask of its own on the local slice.
+    call["position_ids"] = ctx.shard(positions, dim=-1)
+    call["inputs_embeds"] = ctx.shard(embeds, dim=1)
+    call["attention_mask"] = None
+    call["past_key_values"] = None
+    call["use_cache"] = False
+    if call.get("visual_pos_masks") is not None:
+        call["visual_pos_masks"], call["deepstack_visual_embeds"] = _shard_visual_rows(
+            ctx, call["visual_pos_masks"], call.get("deepstack_visual_embeds")
+        )
+    call[CTX_KWARG] = ctx
+    return wrapped(**call)
