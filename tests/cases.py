@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from vlmcp_patch.testing import IMAGE_TOKEN_ID, Segment, build_model, make_batch, tiny_qwen3_vl_config
 
 S = Segment
@@ -14,6 +16,29 @@ PADDED_PAIR = [
     [S(text=7), S(image=(16, 16)), S(text=3), S(image=(24, 16)), S(text=2)],
 ]
 
+PACKED_TEXT = ("packed", [9, 14, 6])  # three text samples in one row, position_ids restarting at 0
+
+
+def packed_text_batch(lengths: list[int], seed: int) -> dict:
+    """One row of text samples in the DataCollatorWithFlattening convention (no attention_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 120, (1, sum(lengths)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    start = 0
+    for n in lengths:
+        labels[0, start] = -100
+        start += n
+    # use_cache=False: with a cache, stock sdpa ignores the packed boundaries (stock flash does not).
+    return {"input_ids": ids, "position_ids": positions, "labels": labels, "use_cache": False}
+
+
+def build_batch(layout, seed: int) -> dict:
+    if isinstance(layout, tuple) and layout[0] == "packed":
+        return packed_text_batch(layout[1], seed)
+    return make_batch(layout, seed=seed)
+
+
 QWEN3_VL_CASES = {
     "multi_image": ({}, MULTI_IMAGE),
     "text_only": ({}, TEXT_ONLY),
@@ -22,7 +47,13 @@ QWEN3_VL_CASES = {
     "moe_multi_image": ({"moe": True}, MULTI_IMAGE),
     "moe_padded_pair": ({"moe": True}, PADDED_PAIR),
     "moe_text_only": ({"moe": True}, TEXT_ONLY),
+    "packed_text": ({}, PACKED_TEXT),
+    "grad_checkpointing": ({"gradient_checkpointing": True}, MULTI_IMAGE),
 }
+
+# Exchanges counted by one forward+backward of the two-layer model: q, k, v and output per layer, each
+# way; gradient checkpointing replays the forward exchanges once more during backward.
+EXCHANGES = {"default": 16, "grad_checkpointing": 24}
 
 
 def image_spans(input_ids) -> list[tuple[int, int]]:
@@ -44,15 +75,28 @@ def crosses_shard_edge(input_ids, cp_size: int) -> bool:
 
 
 def run_cases(rank: int, world_size: int, cp_size: int, names: list[str], attn: str = "sdpa") -> dict:
+    """Parity metrics of each named case; with attn='flash_attention_2' through the CPU stand-in kernel."""
+    from tests import flash_standin
     from tests.parity import compare
 
+    if attn == "flash_attention_2":
+        flash_standin.install()
     results = {}
     for name in names:
         config_kwargs, layout = QWEN3_VL_CASES[name]
-        config = tiny_qwen3_vl_config(attn_implementation=attn, **config_kwargs)
+        config_kwargs = dict(config_kwargs)
+        checkpointing = config_kwargs.pop("gradient_checkpointing", False)
+        config = tiny_qwen3_vl_config(**config_kwargs)
         model = build_model(config, seed=1)
-        batch = make_batch(layout, seed=7)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        if attn == "flash_attention_2":
+            flash_standin.use_flash(model)
+        batch = build_batch(layout, seed=7)
+        flash_standin.CALLS.clear()
         metrics = compare(model, batch, cp_size)
+        metrics["flash_calls"] = [c for c in flash_standin.CALLS if c["causal"]]
         metrics["seq_len"] = batch["input_ids"].shape[1]
         metrics["image_crosses_edge"] = crosses_shard_edge(batch["input_ids"], cp_size)
         metrics["num_layers"] = config.text_config.num_hidden_layers

@@ -29,8 +29,8 @@ _BYPASS: contextvars.ContextVar[bool] = contextvars.ContextVar("vlmcp_bypass", d
 
 def sample_starts(text_position_ids: torch.Tensor) -> torch.Tensor:
     """Boolean (B, S): True where a packed sample starts, i.e. the position does not continue by +1."""
-    first = text_position_ids[:, :1] - 1
-    return torch.diff(text_position_ids, prepend=first, dim=-1) != 1
+    starts = torch.diff(text_position_ids, dim=-1) != 1
+    return torch.cat([torch.ones_like(starts[:, :1]), starts], dim=-1)
 
 
 @dataclass
@@ -130,8 +130,11 @@ def take_pending() -> CPContext | None:
     return ctx
 
 
-def bypassed() -> bool:
-    return _BYPASS.get()
+def cp_requested() -> bool:
+    """CP is configured (size > 1) and not bypassed by `vlmcp_patch.disabled()`."""
+    from .settings import SETTINGS
+
+    return SETTINGS.cp_size > 1 and not _BYPASS.get()
 
 
 @contextlib.contextmanager

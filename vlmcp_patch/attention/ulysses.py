@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 
 from ..collectives import all_to_all
-from ..context import CTX_KWARG, CPContext
+from ..context import CTX_KWARG, CPContext, cp_requested
+from ..errors import UnsupportedSetupError
 from .heads import kv_replication
 
 HEADS, SEQ = 1, 2  # layout of q/k/v given to attention functions: (batch, heads, seq, head_dim)
@@ -88,6 +89,12 @@ def ulysses_attention(original: Callable, flavor: str) -> Callable:
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         ctx = kwargs.pop(CTX_KWARG, None)
         if ctx is None:
+            if getattr(module, "is_causal", False) and cp_requested():
+                # A causal decoder that did not come through a patched top-level forward would
+                # silently run the whole sequence on every rank.
+                from ..models.common import unsupported_model_message
+
+                raise UnsupportedSetupError(unsupported_model_message(f"{type(module).__name__} (a decoder attention)"))
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         if args:
             raise TypeError("vlmcp_patch: attention functions are called with keyword arguments after the mask")

@@ -20,21 +20,29 @@ import torch
 
 from ..attention.heads import kv_replication
 from ..collectives import all_gather_small
-from ..context import CTX_KWARG, CPContext, bypassed, take_pending
+from ..context import CTX_KWARG, CPContext, cp_requested, take_pending
 from ..distributed import CPGroup, get_cp_group
 from ..errors import CPInputError, UnsupportedSetupError
 from ..loss import sharded_causal_lm_loss
 from ..settings import SETTINGS
+from . import SUPPORTED_CLASSES
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
-SUPPORTED_CLASSES: list[str] = []  # filled by the model family modules, for error messages
 
 
 def active_cp() -> CPGroup | None:
     """The CP group for this forward, or None when CP is off (size 1 or inside `vlmcp_patch.disabled()`)."""
-    if SETTINGS.cp_size == 1 or bypassed():
+    if not cp_requested():
         return None
     return get_cp_group()
+
+
+def unsupported_model_message(what: str) -> str:
+    return (
+        f"{what} is not supported under CP (VLMCP_CP_SIZE={SETTINGS.cp_size}); CP runs through the top-level "
+        f"classes {', '.join(SUPPORTED_CLASSES)}. Use one of those, set VLMCP_CP_SIZE=1, or run this call inside "
+        "`with vlmcp_patch.disabled():`."
+    )
 
 
 def call_arguments(wrapped, args, kwargs) -> dict:
@@ -258,11 +266,7 @@ def cp_text_model_forward(wrapped, instance, args, kwargs):
     ctx = take_pending()
     if ctx is None:
         if active_cp() is not None:
-            raise UnsupportedSetupError(
-                f"{type(instance).__name__} was called directly under CP; CP runs through the top-level model "
-                f"classes: {', '.join(SUPPORTED_CLASSES)}. Call one of those, or wrap this call in "
-                "`with vlmcp_patch.disabled():`."
-            )
+            raise UnsupportedSetupError(unsupported_model_message(type(instance).__name__ + " called directly"))
         return wrapped(*args, **kwargs)
     call = call_arguments(wrapped, args, kwargs)
     embeds = call.pop("inputs_embeds", None)

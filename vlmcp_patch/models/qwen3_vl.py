@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..patching import Patch
-from .common import SUPPORTED_CLASSES, cp_text_model_forward, cp_top_level_forward
+from . import SUPPORTED_CLASSES
+from .common import cp_text_model_forward, cp_top_level_forward
 
 FAMILIES = {
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLTextModel"),
