@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
-from vlmcp_patch.testing import IMAGE_TOKEN_ID, Segment, build_model, make_batch, tiny_qwen3_vl_config
+from vlmcp_patch.testing import (
+    IMAGE_TOKEN_ID,
+    Segment,
+    build_model,
+    make_batch,
+    tiny_qwen3_5_config,
+    tiny_qwen3_vl_config,
+)
 
 S = Segment
+# float64 runs separate rounding from real errors when investigating a failure.
+DTYPE = getattr(torch, os.environ.get("VLMCP_TEST_DTYPE", "float32"))
+INIT_RANGE = float(os.environ.get("VLMCP_TEST_INIT_RANGE", "0.02"))
 
 # 55 tokens: not a multiple of 2 or 4; the shard edges at P=2 and P=4 fall inside image spans.
 MULTI_IMAGE = [[S(text=5), S(image=(32, 24)), S(text=6), S(image=(16, 16)), S(text=4), S(image=(24, 40)), S(text=3)]]
@@ -33,9 +46,22 @@ def packed_text_batch(lengths: list[int], seed: int) -> dict:
     return {"input_ids": ids, "position_ids": positions, "labels": labels, "use_cache": False}
 
 
+def padded_text_batch(lengths: list[int], seed: int) -> dict:
+    """Right-padded text rows with an attention_mask."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(1, 120, (len(lengths), width), generator=g)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    ids = ids * mask
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 def build_batch(layout, seed: int) -> dict:
     if isinstance(layout, tuple) and layout[0] == "packed":
         return packed_text_batch(layout[1], seed)
+    if isinstance(layout, tuple) and layout[0] == "padded":
+        return padded_text_batch(layout[1], seed)
     return make_batch(layout, seed=seed)
 
 
@@ -51,9 +77,28 @@ QWEN3_VL_CASES = {
     "grad_checkpointing": ({"gradient_checkpointing": True}, MULTI_IMAGE),
 }
 
-# Exchanges counted by one forward+backward of the two-layer model: q, k, v and output per layer, each
-# way; gradient checkpointing replays the forward exchanges once more during backward.
-EXCHANGES = {"default": 16, "grad_checkpointing": 24}
+QWEN3_5_CASES = {
+    "multi_image": ({}, MULTI_IMAGE),
+    "text_only": ({}, TEXT_ONLY),
+    "padded_pair": ({}, PADDED_PAIR),
+    "one_key_head": ({"linear_num_key_heads": 1}, MULTI_IMAGE),
+    "causal_lm": ({"text_only": True}, ("packed", [23])),
+    "causal_lm_padded": ({"text_only": True}, ("padded", [19, 12])),
+    "moe_multi_image": ({"moe": True}, MULTI_IMAGE),
+    "moe_padded_pair": ({"moe": True}, PADDED_PAIR),
+    "moe_causal_lm": ({"moe": True, "text_only": True}, ("packed", [23])),
+}
+
+FAMILIES = {
+    "qwen3_vl": (tiny_qwen3_vl_config, QWEN3_VL_CASES),
+    "qwen3_5": (functools.partial(tiny_qwen3_5_config, initializer_range=INIT_RANGE), QWEN3_5_CASES),
+}
+
+# All-to-all calls of one forward+backward: Qwen3-VL's two attention layers exchange q, k, v and the
+# output each way (2 x 8); gradient checkpointing replays the forward ones in backward (+8). Qwen3.5:
+# one attention layer (8) and two DeltaNet layers exchanging q, k, v and the output (2 x 8; their
+# gate inputs travel by all-gather, not counted here).
+EXCHANGES = {"qwen3_vl": {"default": 16, "grad_checkpointing": 24}, "qwen3_5": {"default": 24}}
 
 
 def image_spans(input_ids) -> list[tuple[int, int]]:
@@ -74,7 +119,7 @@ def crosses_shard_edge(input_ids, cp_size: int) -> bool:
     return any(a < e < b for a, b in image_spans(input_ids) for e in edges)
 
 
-def run_cases(rank: int, world_size: int, cp_size: int, names: list[str], attn: str = "sdpa") -> dict:
+def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list[str], attn: str = "sdpa") -> dict:
     """Parity metrics of each named case; with attn='flash_attention_2' through the CPU stand-in kernel."""
     from tests import flash_standin
     from tests.parity import compare
@@ -83,11 +128,12 @@ def run_cases(rank: int, world_size: int, cp_size: int, names: list[str], attn: 
         flash_standin.install()
     results = {}
     for name in names:
-        config_kwargs, layout = QWEN3_VL_CASES[name]
+        make_config, cases = FAMILIES[family]
+        config_kwargs, layout = cases[name]
         config_kwargs = dict(config_kwargs)
         checkpointing = config_kwargs.pop("gradient_checkpointing", False)
-        config = tiny_qwen3_vl_config(**config_kwargs)
-        model = build_model(config, seed=1)
+        config = make_config(**config_kwargs)
+        model = build_model(config, seed=1, dtype=DTYPE)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
@@ -99,6 +145,6 @@ def run_cases(rank: int, world_size: int, cp_size: int, names: list[str], attn: 
         metrics["flash_calls"] = [c for c in flash_standin.CALLS if c["causal"]]
         metrics["seq_len"] = batch["input_ids"].shape[1]
         metrics["image_crosses_edge"] = crosses_shard_edge(batch["input_ids"], cp_size)
-        metrics["num_layers"] = config.text_config.num_hidden_layers
+        metrics["num_layers"] = config.get_text_config().num_hidden_layers
         results[name] = metrics
     return results

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vlmcp_patch.testing import Segment, build_model, make_batch, tiny_qwen3_vl_config
+from vlmcp_patch.testing import Segment, build_model, make_batch, tiny_qwen3_5_config, tiny_qwen3_vl_config
 
 S = Segment
 LAYOUT = [[S(text=5), S(image=(16, 24)), S(text=7)]]
@@ -57,6 +57,9 @@ def _scenarios(rank):
         "eager_attention": (lambda: build_model(tiny_qwen3_vl_config(attn_implementation="eager")), batch, {}),
         "heads_not_splittable": (
             lambda: build_model(tiny_qwen3_vl_config(num_attention_heads=3, num_key_value_heads=1)), batch, {},
+        ),
+        "linear_heads_not_splittable": (
+            lambda: build_model(tiny_qwen3_5_config(linear_num_key_heads=1, linear_num_value_heads=3)), batch, {},
         ),
         "unsupported_model": (text_llm, lambda: {"input_ids": torch.randint(1, 100, (1, 12))}, {}),
         "text_model_called_directly": (lambda: base().model, batch, {}),

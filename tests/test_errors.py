@@ -12,6 +12,7 @@ from tests.harness import run_distributed
 EXPECTED = {
     "eager_attention": ("UnsupportedSetupError", "attn_implementation='eager'"),
     "heads_not_splittable": ("UnsupportedSetupError", "3 query heads cannot be split over CP size 2"),
+    "linear_heads_not_splittable": ("UnsupportedSetupError", "gated DeltaNet: 3 value heads cannot be split over CP size 2"),
     "unsupported_model": ("UnsupportedSetupError", "Qwen3VLForConditionalGeneration"),
     "text_model_called_directly": ("UnsupportedSetupError", "called directly"),
     "image_token_mismatch": ("CPInputError", "image features and image tokens do not match"),

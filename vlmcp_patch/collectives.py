@@ -68,6 +68,31 @@ def gather_keep_local_grad(x: torch.Tensor, dim: int, group, size: int, rank: in
     return _GatherKeepLocalGrad.apply(x, dim, group, size, rank)
 
 
+class _GatherReduceScatterGrad(torch.autograd.Function):
+    """All-gather along `dim`; backward sums the gradient over the group and keeps this rank's slice.
+
+    For a tensor that every rank uses *differently* after the gather (e.g. each rank reads the columns
+    of its own heads): the gradient for this rank's slice is spread over all ranks and must be summed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, group, size, rank):
+        ctx.dim, ctx.group, ctx.size, ctx.rank = dim, group, size, rank
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None, None
+
+
+def gather_reduce_scatter_grad(x: torch.Tensor, dim: int, group, size: int, rank: int) -> torch.Tensor:
+    return _GatherReduceScatterGrad.apply(x, dim, group, size, rank)
+
+
 class _SumKeepLocalGrad(torch.autograd.Function):
     """All-reduce (sum) whose backward is the identity.
 

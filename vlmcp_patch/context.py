@@ -91,6 +91,13 @@ class CPContext:
         return slice(start, start + self.local_len)
 
     @property
+    def real_segments(self) -> list[tuple[int, int]] | None:
+        """The packed samples without the CP pad tail."""
+        if self.segments is None:
+            return None
+        return [(a, b) for a, b in self.segments if b <= self.seq_len]
+
+    @property
     def max_segment_len(self) -> int:
         return max(end - start for start, end in self.segments)
 

@@ -83,12 +83,62 @@ def tiny_qwen3_vl_config(
     return config
 
 
+def tiny_qwen3_5_config(
+    *,
+    initializer_range: float = 0.02,
+    moe: bool = False,
+    text_only: bool = False,
+    num_attention_heads: int = 8,
+    num_key_value_heads: int = 2,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 8,
+    attn_implementation: str = "sdpa",
+):
+    """A three-layer Qwen3.5 (linear, full, linear attention); key heads != value heads in the DeltaNet layers."""
+    text = _text_config(num_attention_heads, num_key_value_heads, head_dim=16)
+    text.update(
+        initializer_range=initializer_range,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_hidden_layers=3,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads,
+        rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+        },
+    )
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+        from transformers import Qwen3_5MoeConfig as Config, Qwen3_5MoeTextConfig as TextConfig
+    else:
+        from transformers import Qwen3_5Config as Config, Qwen3_5TextConfig as TextConfig
+    if text_only:
+        config = TextConfig(**text)
+    else:
+        vision = _vision_config(text["hidden_size"])
+        vision.pop("deepstack_visual_indexes")
+        config = Config(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=IMAGE_TOKEN_ID,
+            video_token_id=VIDEO_TOKEN_ID,
+            vision_start_token_id=VISION_START_TOKEN_ID,
+            vision_end_token_id=VISION_END_TOKEN_ID,
+            tie_word_embeddings=False,
+        )
+    config._attn_implementation = attn_implementation
+    return config
+
+
 def build_model(config, seed: int = 0, dtype=torch.float32):
-    """Instantiate the `...ForConditionalGeneration` class of `config` with seeded random weights."""
-    from transformers import AutoModelForImageTextToText
+    """Instantiate the top-level class of `config` (image-text-to-text, or causal LM for a text config)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, attn_implementation=config._attn_implementation)
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation=config._attn_implementation)
     return model.to(dtype)
 
 

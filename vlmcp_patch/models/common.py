@@ -24,6 +24,7 @@ from ..context import CTX_KWARG, CPContext, cp_requested, take_pending
 from ..distributed import CPGroup, get_cp_group
 from ..errors import CPInputError, UnsupportedSetupError
 from ..loss import sharded_causal_lm_loss
+from ..patching import Patch
 from ..settings import SETTINGS
 from . import SUPPORTED_CLASSES
 
@@ -79,8 +80,16 @@ def _check_setup(model, cp: CPGroup, call: dict) -> Problem | None:
         )
     try:
         kv_replication(
-            text_config.num_attention_heads, text_config.num_key_value_heads, cp.size, what=type(model).__name__
+            text_config.num_attention_heads, text_config.num_key_value_heads, cp.size, what="softmax attention"
         )
+        if getattr(text_config, "linear_num_value_heads", None):
+            kv_replication(
+                text_config.linear_num_value_heads,
+                text_config.linear_num_key_heads,
+                cp.size,
+                what="gated DeltaNet",
+                names=("value", "key"),
+            )
     except UnsupportedSetupError as exc:
         return Problem(UnsupportedSetupError, str(exc))
     if call.get("past_key_values") is not None:
@@ -202,7 +211,32 @@ def _text_position_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None
 
 
 # ---------------------------------------------------------------------------------------------
-# The wrappers
+# The wrappers and their declarations
+
+TOP_LEVEL_PARAMS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "labels", "logits_to_keep")
+
+
+def family_patches(module_path: str, top_classes: list[str], text_model: str, text_params: tuple) -> list[Patch]:
+    """The two patches every family needs: its top-level forward(s) and its text decoder's forward."""
+    SUPPORTED_CLASSES.extend(c for c in top_classes if c not in SUPPORTED_CLASSES)
+    tops = [
+        Patch(
+            target=f"{module_path}.{cls}.forward",
+            wrapper=cp_top_level_forward,
+            reason="under CP: validate before compute, run vision/placement/mRoPE on the full sequence, then the "
+            "loss over the group or gathered logits",
+            expects=TOP_LEVEL_PARAMS,
+        )
+        for cls in top_classes
+    ]
+    text = Patch(
+        target=f"{module_path}.{text_model}.forward",
+        wrapper=cp_text_model_forward,
+        reason="under CP: cut embeddings, mRoPE positions (and visual rows) to this rank's slice and hand the CP "
+        "context to the decoder layers",
+        expects=text_params,
+    )
+    return [*tops, text]
 
 
 def cp_top_level_forward(wrapped, instance, args, kwargs):

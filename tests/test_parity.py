@@ -1,4 +1,4 @@
-"""Qwen3-VL / Qwen3-VL-MoE under CP equal stock transformers at P=1 (fp32, CPU, gloo)."""
+"""Qwen3-VL(-MoE) and Qwen3.5(-MoE) under CP equal stock transformers at P=1 (fp32, CPU, gloo)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from tests.cases import EXCHANGES, QWEN3_VL_CASES, run_cases
+from tests.cases import EXCHANGES, FAMILIES, QWEN3_5_CASES, QWEN3_VL_CASES, run_cases
 from tests.harness import run_distributed
 
 TOL = 1e-5
@@ -14,46 +14,55 @@ FLASH_CASES = ["multi_image", "padded_pair", "packed_text", "text_only", "one_kv
 
 
 @functools.cache
-def results(cp_size: int, attn: str):
-    names = list(QWEN3_VL_CASES) if attn == "sdpa" else FLASH_CASES
-    return run_distributed(run_cases, cp_size, cp_size, names, attn, timeout=600)
+def results(family: str, cp_size: int, attn: str):
+    names = list(FAMILIES[family][1]) if attn == "sdpa" else FLASH_CASES
+    return run_distributed(run_cases, cp_size, cp_size, family, names, attn, timeout=600)
 
 
-def assert_parity(per_rank: list[dict], case: str, cp_size: int) -> None:
+def assert_parity(per_rank: list[dict], family: str, case: str, cp_size: int) -> None:
     for rank, res in enumerate(per_rank):
         m = res[case]
-        where = f"{case}, P={cp_size}, rank {rank}"
+        where = f"{family} {case}, P={cp_size}, rank {rank}"
         assert m["loss_err"] <= TOL, where
         assert m["local_logits_err"] <= TOL, where
         assert m["logits_shape_ok"], where
         assert m["logits_err"] <= TOL, where
         assert m["grad_err"] <= TOL, f"{where}: {m['worst_grad']}"
         assert m["missing_grads"] == [], where
-        # The exchange ran, and the gradients really are sharded: each rank alone differs from P=1.
-        assert m["exchanges"] == EXCHANGES.get(case, EXCHANGES["default"]), where
+        # The exchanges ran, and the gradients really are sharded: each rank alone differs from P=1.
+        expected = EXCHANGES[family].get(case, EXCHANGES[family]["default"])
+        assert m["exchanges"] == expected, where
         assert not m["per_rank_grads_equal_reference"], where
     assert len({res[case]["loss"] for res in per_rank}) == 1, "loss differs between ranks"
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])
 @pytest.mark.parametrize("case", list(QWEN3_VL_CASES))
-def test_sdpa_parity(case, cp_size):
-    assert_parity(results(cp_size, "sdpa"), case, cp_size)
+def test_qwen3_vl(case, cp_size):
+    assert_parity(results("qwen3_vl", cp_size, "sdpa"), "qwen3_vl", case, cp_size)
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_awkward_cases_are_awkward(cp_size):
-    m = results(cp_size, "sdpa")[0]["multi_image"]
+@pytest.mark.parametrize("case", list(QWEN3_5_CASES))
+def test_qwen3_5(case, cp_size):
+    assert_parity(results("qwen3_5", cp_size, "sdpa"), "qwen3_5", case, cp_size)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_awkward_cases_are_awkward(family, cp_size):
+    m = results(family, cp_size, "sdpa")[0]["multi_image"]
     assert m["seq_len"] % cp_size, "length must not be a multiple of P"
     assert m["image_crosses_edge"], "an image span must cross a shard edge"
     assert QWEN3_VL_CASES["one_kv_head"][0]["num_key_value_heads"] < cp_size
+    assert QWEN3_5_CASES["one_key_head"][0]["linear_num_key_heads"] < cp_size
 
 
 @pytest.mark.parametrize("case", FLASH_CASES)
 def test_flash_attention_2_plumbing(case):
     """The real flash_attention_2 path of transformers, with a CPU stand-in kernel in place of flash-attn."""
-    per_rank = results(2, "flash_attention_2")
-    assert_parity(per_rank, case, 2)
+    per_rank = results("qwen3_vl", 2, "flash_attention_2")
+    assert_parity(per_rank, "qwen3_vl", case, 2)
     m = per_rank[0][case]
     calls = m["flash_calls"]
     assert calls, "the flash kernel was never called"
