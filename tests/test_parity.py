@@ -8,8 +8,8 @@ import pytest
 
 from tests.cases import EXCHANGES, FAMILIES, QWEN3_5_CASES, QWEN3_VL_CASES, run_cases
 from tests.harness import run_distributed
+from tests.parity import TOL
 
-TOL = 1e-5
 FLASH_CASES = ["multi_image", "padded_pair", "packed_text", "text_only", "one_kv_head"]
 
 

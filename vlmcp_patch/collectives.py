@@ -41,6 +41,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size: int) -> torch.Tensor:
+    if size == 1:
+        return x
     return _AllToAll.apply(x, scatter_dim, gather_dim, group, size)
 
 
@@ -65,6 +67,8 @@ class _GatherKeepLocalGrad(torch.autograd.Function):
 
 
 def gather_keep_local_grad(x: torch.Tensor, dim: int, group, size: int, rank: int) -> torch.Tensor:
+    if size == 1:
+        return x
     return _GatherKeepLocalGrad.apply(x, dim, group, size, rank)
 
 
@@ -90,6 +94,8 @@ class _GatherReduceScatterGrad(torch.autograd.Function):
 
 
 def gather_reduce_scatter_grad(x: torch.Tensor, dim: int, group, size: int, rank: int) -> torch.Tensor:
+    if size == 1:
+        return x
     return _GatherReduceScatterGrad.apply(x, dim, group, size, rank)
 
 
@@ -111,7 +117,9 @@ class _SumKeepLocalGrad(torch.autograd.Function):
         return grad, None
 
 
-def sum_keep_local_grad(x: torch.Tensor, group) -> torch.Tensor:
+def sum_keep_local_grad(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    if size == 1:
+        return x
     return _SumKeepLocalGrad.apply(x, group)
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .collectives import gather_keep_local_grad
 from .distributed import CPGroup
+from .settings import SETTINGS
 
 CTX_KWARG = "vlmcp_ctx"
 
@@ -137,10 +138,13 @@ def take_pending() -> CPContext | None:
     return ctx
 
 
+def bypassed() -> bool:
+    """Inside `vlmcp_patch.disabled()`."""
+    return _BYPASS.get()
+
+
 def cp_requested() -> bool:
     """CP is configured (size > 1) and not bypassed by `vlmcp_patch.disabled()`."""
-    from .settings import SETTINGS
-
     return SETTINGS.cp_size > 1 and not _BYPASS.get()
 
 

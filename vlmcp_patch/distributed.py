@@ -21,6 +21,10 @@ class CPGroup:
     size: int
 
 
+# A packed row at P=1 takes the CP path with this one-rank "group": the same boundaries, no exchanges.
+SINGLE_RANK = CPGroup(group=None, rank=0, size=1)
+
+
 def _check_world(size: int) -> int:
     if not dist.is_available() or not dist.is_initialized():
         raise UnsupportedSetupError(

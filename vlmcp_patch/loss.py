@@ -39,7 +39,7 @@ def sharded_causal_lm_loss(
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
-    total = sum_keep_local_grad(local_sum, ctx.cp.group)
+    total = sum_keep_local_grad(local_sum, ctx.cp.group, ctx.cp.size)
     if num_items_in_batch is None:
         count = (shift_labels != IGNORE_INDEX).sum()
     else:

@@ -238,3 +238,20 @@ def make_batch(layout: list[list[Segment]], seed: int = 0, *, labels: bool = Tru
     processor = image_processor()
     samples = [build_sample(segs, seed=seed + i, processor=processor)[0] for i, segs in enumerate(layout)]
     return collate(samples, processor, labels=labels)
+
+
+def make_packed_batch(layout: list[list[Segment]], seed: int = 0, *, return_cu_seq_lens: bool = False) -> tuple:
+    """(packed row, per-sample batches): the samples of `layout` packed into one row, and each alone."""
+    from .collator import MultimodalPackingCollator
+
+    processor = image_processor()
+    samples, alone = [], []
+    for i, segs in enumerate(layout):
+        sample, _ = build_sample(segs, seed=seed + i, processor=processor)
+        item = {"input_ids": sample.input_ids, "mm_token_type_ids": sample.mm_token_type_ids}
+        if sample.images:
+            item.update({k: v for k, v in processor(images=sample.images, return_tensors="pt").items()})
+        samples.append(item)
+        alone.append(collate([sample], processor))
+    row = MultimodalPackingCollator(return_cu_seq_lens=return_cu_seq_lens)(samples)
+    return row, alone

@@ -20,10 +20,11 @@ import torch
 
 from ..attention.heads import kv_replication
 from ..collectives import all_gather_small
-from ..context import CTX_KWARG, CPContext, cp_requested, take_pending
-from ..distributed import CPGroup, get_cp_group
+from ..context import CTX_KWARG, CPContext, bypassed, cp_requested, take_pending
+from ..distributed import SINGLE_RANK, CPGroup, get_cp_group
 from ..errors import CPInputError, UnsupportedSetupError
 from ..loss import sharded_causal_lm_loss
+from ..packing import packed_starts, packed_text_positions, per_sample_mrope, text_positions_of
 from ..patching import Patch
 from ..settings import SETTINGS
 from . import SUPPORTED_CLASSES
@@ -75,8 +76,8 @@ def _check_setup(model, cp: CPGroup, call: dict) -> Problem | None:
     if impl not in SUPPORTED_ATTENTION:
         return Problem(
             UnsupportedSetupError,
-            f"attn_implementation={impl!r} is not supported under CP (VLMCP_CP_SIZE={cp.size}); load the model "
-            f"with attn_implementation='sdpa' or 'flash_attention_2'.",
+            f"attn_implementation={impl!r} is not supported under CP (VLMCP_CP_SIZE={SETTINGS.cp_size}) or for "
+            "packed rows; load the model with attn_implementation='sdpa' or 'flash_attention_2'.",
         )
     try:
         kv_replication(
@@ -178,6 +179,10 @@ def agree_on_batch(cp: CPGroup, problem: Problem | None, call: dict) -> None:
     Raising on every rank together is what keeps a bad batch from leaving some ranks waiting in a
     collective that the others never reach.
     """
+    if cp.size == 1:
+        if problem is not None:
+            raise problem.error(problem.message)
+        return
     local = torch.tensor([int(problem is not None), *_batch_fingerprint(call)], dtype=torch.long)
     gathered = all_gather_small(local, cp.group, cp.size)
     if problem is not None:
@@ -200,14 +205,6 @@ def _pin_vision_to_sdpa(model) -> None:
         vision._attn_implementation = "sdpa"
 
 
-def _text_position_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    if position_ids is None:
-        return None
-    if position_ids.ndim == 2:
-        return position_ids
-    if position_ids.ndim == 3 and position_ids.shape[0] == 4:
-        return position_ids[0]
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,13 +236,32 @@ def family_patches(module_path: str, top_classes: list[str], text_model: str, te
     return [*tops, text]
 
 
+def _prepare_packed_row(model, call: dict, starts: torch.Tensor) -> None:
+    """Per-sample mRoPE for a packed multimodal row; the layout then travels in the context."""
+    if call.get("image_grid_thw") is not None or call.get("video_grid_thw") is not None:
+        if call.get("mm_token_type_ids") is None or call.get("input_ids") is None:
+            raise CPInputError("a packed multimodal row needs input_ids and mm_token_type_ids for per-sample mRoPE")
+        call["position_ids"] = per_sample_mrope(model.model, call, starts)
+    elif call.get("position_ids") is None:
+        call["position_ids"] = packed_text_positions(starts)[None]
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        call.pop(key, None)  # the context carries the boundaries
+
+
 def cp_top_level_forward(wrapped, instance, args, kwargs):
-    cp = active_cp()
-    if cp is None:
+    if bypassed():
         return wrapped(*args, **kwargs)
+    cp = active_cp()
     call = call_arguments(wrapped, args, kwargs)
+    starts = packed_starts(call)
+    if cp is None:
+        if starts is None:
+            return wrapped(*args, **kwargs)  # P=1, not packed: exactly stock
+        cp = SINGLE_RANK  # P=1 packed row: same path, no exchanges
     agree_on_batch(cp, _check_setup(instance, cp, call) or _check_batch(instance, call), call)
     _pin_vision_to_sdpa(instance)
+    if starts is not None:
+        _prepare_packed_row(instance, call, starts)
 
     reference = call["input_ids"] if call.get("input_ids") is not None else call["inputs_embeds"]
     ctx = CPContext.create(
@@ -254,7 +270,7 @@ def cp_top_level_forward(wrapped, instance, args, kwargs):
         seq_len=reference.shape[1],
         device=reference.device,
         attention_mask=call.get("attention_mask"),
-        text_position_ids=_text_position_ids(call.get("position_ids")),
+        text_position_ids=text_positions_of(call.get("position_ids")),
     )
     labels = call.pop("labels", None)
     shift_labels = call.pop("shift_labels", None)
