@@ -53,7 +53,25 @@ def _scenarios(rank):
 
         return {"past_key_values": DynamicCache()}
 
+    def packed():
+        from vlmcp_patch.testing import make_packed_batch
+
+        return make_packed_batch([LAYOUT[0], [S(text=6)]], seed=3, return_cu_seq_lens=True)[0]
+
+    def packed_with_wrong_cu():
+        row = packed()
+        row["cu_seq_lens_q"] = row["cu_seq_lens_k"] = torch.tensor([0, 5, row["input_ids"].shape[1]], dtype=torch.int32)
+        return row
+
+    def packed_with_padding():
+        row = packed()
+        row["attention_mask"] = torch.ones_like(row["input_ids"])
+        row["attention_mask"][0, -2:] = 0
+        return row
+
     return {
+        "packed_inconsistent_cu_seq_lens": (base, packed_with_wrong_cu, {}),
+        "packed_with_padding": (base, packed_with_padding, {}),
         "eager_attention": (lambda: build_model(tiny_qwen3_vl_config(attn_implementation="eager")), batch, {}),
         "heads_not_splittable": (
             lambda: build_model(tiny_qwen3_vl_config(num_attention_heads=3, num_key_value_heads=1)), batch, {},

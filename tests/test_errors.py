@@ -10,6 +10,8 @@ from tests.error_cases import run_error_cases
 from tests.harness import run_distributed
 
 EXPECTED = {
+    "packed_inconsistent_cu_seq_lens": ("CPInputError", "does not agree with position_ids"),
+    "packed_with_padding": ("CPInputError", "both attention_mask and restarting position_ids"),
     "eager_attention": ("UnsupportedSetupError", "attn_implementation='eager'"),
     "heads_not_splittable": ("UnsupportedSetupError", "3 query heads cannot be split over CP size 2"),
     "linear_heads_not_splittable": ("UnsupportedSetupError", "gated DeltaNet: 3 value heads cannot be split over CP size 2"),

@@ -85,3 +85,21 @@ def test_packing_pads_less_than_padded_batches():
     g = torch.Generator().manual_seed(0)
     lengths = torch.distributions.LogNormal(7.0, 0.8).sample((512,)).clamp(64, 8192).long().tolist()
     assert padding_fraction_packed(lengths, 8192) < padding_fraction_padded(lengths, 8)
+
+
+@pytest.mark.parametrize("break_it", ["cu_seq_lens", "padding", "batch"])
+def test_bad_packed_rows_raise_at_p1(break_it):
+    import vlmcp_patch
+    from vlmcp_patch.testing import Segment, build_model, make_packed_batch, tiny_qwen3_vl_config
+
+    model = build_model(tiny_qwen3_vl_config())
+    row, _ = make_packed_batch([[Segment(text=5)], [Segment(text=4), Segment(image=(16, 16))]], return_cu_seq_lens=True)
+    if break_it == "cu_seq_lens":
+        row["cu_seq_lens_q"] = row["cu_seq_lens_k"] = torch.tensor([0, 3, row["input_ids"].shape[1]], dtype=torch.int32)
+    elif break_it == "padding":
+        row["attention_mask"] = torch.ones_like(row["input_ids"])
+    else:
+        row = {k: torch.cat([v, v]) if k in ("input_ids", "mm_token_type_ids", "labels", "position_ids") else v
+               for k, v in row.items() if not k.startswith(("cu_", "max_"))}
+    with pytest.raises(vlmcp_patch.CPInputError):
+        model(**row)
