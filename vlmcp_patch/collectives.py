@@ -46,6 +46,12 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size: 
     return _AllToAll.apply(x, scatter_dim, gather_dim, group, size)
 
 
+def _all_gather_cat(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
 class _GatherKeepLocalGrad(torch.autograd.Function):
     """All-gather along `dim`; backward keeps this rank's slice of the gradient, with no communication.
 
@@ -57,9 +63,7 @@ class _GatherKeepLocalGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, size, rank):
         ctx.dim, ctx.size, ctx.rank = dim, size, rank
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+        return _all_gather_cat(x, dim, group, size)
 
     @staticmethod
     def backward(ctx, grad):
@@ -82,9 +86,7 @@ class _GatherReduceScatterGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, size, rank):
         ctx.dim, ctx.group, ctx.size, ctx.rank = dim, group, size, rank
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+        return _all_gather_cat(x, dim, group, size)
 
     @staticmethod
     def backward(ctx, grad):

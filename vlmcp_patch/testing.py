@@ -58,6 +58,20 @@ def _text_config(num_attention_heads: int, num_key_value_heads: int, head_dim: i
     )
 
 
+def _multimodal_config(config_class, text: dict, vision: dict, attn_implementation: str):
+    config = config_class(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_TOKEN_ID,
+        vision_end_token_id=VISION_END_TOKEN_ID,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = attn_implementation
+    return config
+
+
 def tiny_qwen3_vl_config(
     *, moe: bool = False, num_attention_heads: int = 4, num_key_value_heads: int = 2, attn_implementation="sdpa"
 ):
@@ -70,22 +84,11 @@ def tiny_qwen3_vl_config(
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)
     else:
         from transformers import Qwen3VLConfig as Config
-    config = Config(
-        text_config=text,
-        vision_config=_vision_config(text["hidden_size"]),
-        image_token_id=IMAGE_TOKEN_ID,
-        video_token_id=VIDEO_TOKEN_ID,
-        vision_start_token_id=VISION_START_TOKEN_ID,
-        vision_end_token_id=VISION_END_TOKEN_ID,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = attn_implementation
-    return config
+    return _multimodal_config(Config, text, _vision_config(text["hidden_size"]), attn_implementation)
 
 
 def tiny_qwen3_5_config(
     *,
-    initializer_range: float = 0.02,
     moe: bool = False,
     text_only: bool = False,
     num_attention_heads: int = 8,
@@ -97,7 +100,6 @@ def tiny_qwen3_5_config(
     """A three-layer Qwen3.5 (linear, full, linear attention); key heads != value heads in the DeltaNet layers."""
     text = _text_config(num_attention_heads, num_key_value_heads, head_dim=16)
     text.update(
-        initializer_range=initializer_range,
         layer_types=["linear_attention", "full_attention", "linear_attention"],
         num_hidden_layers=3,
         linear_conv_kernel_dim=4,
@@ -116,20 +118,11 @@ def tiny_qwen3_5_config(
         from transformers import Qwen3_5Config as Config, Qwen3_5TextConfig as TextConfig
     if text_only:
         config = TextConfig(**text)
-    else:
-        vision = _vision_config(text["hidden_size"])
-        vision.pop("deepstack_visual_indexes")
-        config = Config(
-            text_config=text,
-            vision_config=vision,
-            image_token_id=IMAGE_TOKEN_ID,
-            video_token_id=VIDEO_TOKEN_ID,
-            vision_start_token_id=VISION_START_TOKEN_ID,
-            vision_end_token_id=VISION_END_TOKEN_ID,
-            tie_word_embeddings=False,
-        )
-    config._attn_implementation = attn_implementation
-    return config
+        config._attn_implementation = attn_implementation
+        return config
+    vision = _vision_config(text["hidden_size"])
+    vision.pop("deepstack_visual_indexes")
+    return _multimodal_config(Config, text, vision, attn_implementation)
 
 
 def build_model(config, seed: int = 0, dtype=torch.float32):

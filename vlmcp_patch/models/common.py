@@ -205,8 +205,6 @@ def _pin_vision_to_sdpa(model) -> None:
         vision._attn_implementation = "sdpa"
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # The wrappers and their declarations
 
@@ -236,11 +234,23 @@ def family_patches(module_path: str, top_classes: list[str], text_model: str, te
     return [*tops, text]
 
 
+def _packed_layout(call: dict) -> tuple[torch.Tensor | None, Problem | None]:
+    """Sample starts of a packed row (None for an ordinary batch), or the reason the row is malformed."""
+    try:
+        starts = packed_starts(call)
+    except CPInputError as exc:
+        return None, Problem(CPInputError, str(exc))
+    multimodal = call.get("image_grid_thw") is not None or call.get("video_grid_thw") is not None
+    if starts is not None and multimodal and (call.get("mm_token_type_ids") is None or call.get("input_ids") is None):
+        return None, Problem(
+            CPInputError, "a packed multimodal row needs input_ids and mm_token_type_ids for per-sample mRoPE"
+        )
+    return starts, None
+
+
 def _prepare_packed_row(model, call: dict, starts: torch.Tensor) -> None:
     """Per-sample mRoPE for a packed multimodal row; the layout then travels in the context."""
     if call.get("image_grid_thw") is not None or call.get("video_grid_thw") is not None:
-        if call.get("mm_token_type_ids") is None or call.get("input_ids") is None:
-            raise CPInputError("a packed multimodal row needs input_ids and mm_token_type_ids for per-sample mRoPE")
         call["position_ids"] = per_sample_mrope(model.model, call, starts)
     elif call.get("position_ids") is None:
         call["position_ids"] = packed_text_positions(starts)[None]
@@ -253,12 +263,13 @@ def cp_top_level_forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     cp = active_cp()
     call = call_arguments(wrapped, args, kwargs)
-    starts = packed_starts(call)
+    starts, problem = _packed_layout(call)
     if cp is None:
-        if starts is None:
+        if starts is None and problem is None:
             return wrapped(*args, **kwargs)  # P=1, not packed: exactly stock
         cp = SINGLE_RANK  # P=1 packed row: same path, no exchanges
-    agree_on_batch(cp, _check_setup(instance, cp, call) or _check_batch(instance, call), call)
+    problem = problem or _check_setup(instance, cp, call) or _check_batch(instance, call)
+    agree_on_batch(cp, problem, call)
     _pin_vision_to_sdpa(instance)
     if starts is not None:
         _prepare_packed_row(instance, call, starts)
