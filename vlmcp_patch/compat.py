@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
-
 import transformers
 from packaging.version import Version
 
 from .errors import UnsupportedSetupError
 
 MINIMUM = Version("5.23.0")
-BELOW = Version("6.0.0")
-TESTED = ("5.23",)
+BELOW = Version("5.24.0")  # 5.24 renames past_key_values to cache in the forwards patched here
 
 
 def check_transformers_version(version: str = transformers.__version__) -> None:
@@ -20,10 +17,4 @@ def check_transformers_version(version: str = transformers.__version__) -> None:
         raise UnsupportedSetupError(
             f"vlmcp-patch supports transformers >={MINIMUM},<{BELOW}; transformers {version} is installed. "
             f"Install a supported version, e.g. pip install 'transformers=={MINIMUM}'."
-        )
-    if f"{installed.major}.{installed.minor}" not in TESTED:
-        warnings.warn(
-            f"vlmcp-patch was tested with transformers {', '.join(TESTED)}.x; {version} is installed. Its patch "
-            "targets are checked at import, and any drift raises an error naming the target.",
-            stacklevel=3,
         )

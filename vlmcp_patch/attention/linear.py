@@ -19,6 +19,7 @@ kernels are used when transformers selected them, and its pure-torch fallback ot
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,73 +66,103 @@ def _per_sample(fn, ctx: CPContext, seq_dim: int, *tensors, **kwargs):
     return ctx.pad(torch.cat(outs, dim=seq_dim) if len(outs) > 1 else outs[0], dim=seq_dim)
 
 
+@dataclass(frozen=True)
+class _HeadShare:
+    """The DeltaNet heads of one rank: key heads (after replication) and value heads."""
+
+    repeat: int  # each key head is repeated this many times so that P divides them
+    key_heads: list[int]  # original index of each local key head
+    value_heads: list[int]
+
+    @classmethod
+    def of(cls, layer, ctx: CPContext) -> _HeadShare:
+        size, rank = ctx.cp.size, ctx.cp.rank
+        repeat = kv_replication(layer.num_v_heads, layer.num_k_heads, size, type(layer).__name__, ("value", "key"))
+        keys, values = layer.num_k_heads * repeat // size, layer.num_v_heads // size
+        return cls(
+            repeat=repeat,
+            key_heads=[h // repeat for h in range(rank * keys, (rank + 1) * keys)],
+            value_heads=list(range(rank * values, (rank + 1) * values)),
+        )
+
+
+def _heads_over_whole_sequence(layer, mixed: torch.Tensor, share: _HeadShare, ctx: CPContext):
+    """Local tokens x all heads -> whole sequence x this rank's heads, for q, k and v."""
+    batch, local_len, _ = mixed.shape
+    q, k, v = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    q = q.reshape(batch, local_len, layer.num_k_heads, layer.head_k_dim)
+    k = k.reshape(batch, local_len, layer.num_k_heads, layer.head_k_dim)
+    v = v.reshape(batch, local_len, layer.num_v_heads, layer.head_v_dim)
+    if share.repeat > 1:
+        q, k = q.repeat_interleave(share.repeat, dim=HEADS), k.repeat_interleave(share.repeat, dim=HEADS)
+    return tuple(all_to_all(t, HEADS, SEQ, ctx.cp.group, ctx.cp.size) for t in (q, k, v))
+
+
+def _gates(layer, b: torch.Tensor, a: torch.Tensor, share: _HeadShare, ctx: CPContext):
+    """beta and g of this rank's heads over the whole sequence.
+
+    The gate inputs are only 2 x value-heads numbers per token, so they are all-gathered and the gates
+    computed for all heads exactly as stock does (same shapes, same rounding) before keeping this
+    rank's heads: A_log and dt_bias then accumulate their gradient in one reduction, like P=1.
+    """
+    group, size, rank = ctx.cp.group, ctx.cp.size, ctx.cp.rank
+    b, a = (gather_reduce_scatter_grad(t, SEQ, group, size, rank).narrow(SEQ, 0, ctx.seq_len) for t in (b, a))
+    heads = slice(share.value_heads[0], share.value_heads[-1] + 1)
+    beta = b.sigmoid()[..., heads]
+    g = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias))[..., heads]
+    return ctx.pad(beta, dim=SEQ), ctx.pad(g, dim=SEQ)
+
+
+def _segment_ids(ctx: CPContext, device) -> torch.Tensor:
+    lengths = torch.tensor([b - a for a, b in ctx.segments], device=device)
+    return torch.repeat_interleave(torch.arange(len(ctx.segments), device=device, dtype=torch.int32), lengths)[None]
+
+
+def _causal_conv(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
+    """The depthwise causal conv on this rank's channels, with the matching rows of the conv weight."""
+    batch, seq = q.shape[:2]
+    channels = _local_conv_channels(layer, share.key_heads, share.value_heads)
+    weight = layer.conv1d.weight.squeeze(1)[channels]
+    bias = None if layer.conv1d.bias is None else layer.conv1d.bias[channels]
+    mixed = torch.cat([t.reshape(batch, seq, -1) for t in (q, k, v)], dim=-1).transpose(1, 2)
+    conv = modeling.causal_conv1d_fn
+    if ctx.segments is not None and _takes_packed_sequences(conv):
+        mixed = conv(mixed, weight, bias, activation=layer.activation, seq_idx=_segment_ids(ctx, mixed.device))
+    else:
+        mixed = _per_sample(conv, ctx, 2, mixed, weight=weight, bias=bias, activation=layer.activation)
+    key_width = len(share.key_heads) * layer.head_k_dim
+    q, k, v = torch.split(mixed.transpose(1, 2), [key_width, key_width, len(share.value_heads) * layer.head_v_dim], -1)
+    return (
+        q.reshape(batch, seq, -1, layer.head_k_dim),
+        k.reshape(batch, seq, -1, layer.head_k_dim),
+        v.reshape(batch, seq, -1, layer.head_v_dim),
+    )
+
+
+def _delta_rule(modeling, q, k, v, g, beta, ctx: CPContext) -> torch.Tensor:
+    """The gated delta rule of this rank's heads over the whole sequence, reset at every packed sample."""
+    rule = modeling.torch_chunk_gated_delta_rule
+    options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    if ctx.segments is not None and _takes_packed_sequences(rule):
+        return rule(q, k, v, g=g, beta=beta, cu_seqlens=ctx.cu_seqlens.to(q.device).long(), **options)[0]
+    return _per_sample(lambda *t: rule(*t[:3], g=t[3], beta=t[4], **options), ctx, SEQ, q, k, v, g, beta)
+
+
 def gated_deltanet_over_cp(layer, hidden_states: torch.Tensor, ctx: CPContext) -> torch.Tensor:
     modeling = sys.modules[type(layer).__module__]
-    group, size, rank = ctx.cp.group, ctx.cp.size, ctx.cp.rank
-    num_k, num_v = layer.num_k_heads, layer.num_v_heads
-    repeat = kv_replication(num_v, num_k, size, what=type(layer).__name__, names=("value", "key"))
-
+    share = _HeadShare.of(layer, ctx)
     if ctx.padding_mask is not None:
         local_mask = ctx.padding_mask[:, ctx.local_slice].to(hidden_states.device)
         hidden_states = modeling.apply_mask_to_padding_states(hidden_states, local_mask)
     batch, local_len, _ = hidden_states.shape
-
-    mixed = layer.in_proj_qkv(hidden_states)
     z = layer.in_proj_z(hidden_states).reshape(batch, local_len, -1, layer.head_v_dim)
-    b, a = layer.in_proj_b(hidden_states), layer.in_proj_a(hidden_states)
 
-    q, k, v = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    q = q.reshape(batch, local_len, num_k, layer.head_k_dim)
-    k = k.reshape(batch, local_len, num_k, layer.head_k_dim)
-    v = v.reshape(batch, local_len, num_v, layer.head_v_dim)
-    if repeat > 1:
-        q, k = q.repeat_interleave(repeat, dim=HEADS), k.repeat_interleave(repeat, dim=HEADS)
-    q, k, v = (all_to_all(t, HEADS, SEQ, group, size) for t in (q, k, v))
-    b, a = (gather_reduce_scatter_grad(t, SEQ, group, size, rank) for t in (b, a))
-
-    # This rank's heads: replicated key heads map back to the original head index // repeat.
-    keys_here = (num_k * repeat) // size
-    values_here = num_v // size
-    key_heads = [h // repeat for h in range(rank * keys_here, (rank + 1) * keys_here)]
-    value_heads = list(range(rank * values_here, (rank + 1) * values_here))
-
-    # The gates over the whole sequence for all heads, computed exactly as stock does (same shapes, so
-    # the same rounding; the inputs are only 2 x value-heads numbers per token), then this rank's heads.
-    # A_log and dt_bias thus accumulate their gradient in one reduction over the sequence, like P=1.
-    heads = slice(value_heads[0], value_heads[-1] + 1)
-    b, a = b.narrow(SEQ, 0, ctx.seq_len), a.narrow(SEQ, 0, ctx.seq_len)
-    beta = ctx.pad(b.sigmoid()[..., heads], dim=SEQ)
-    g = ctx.pad((-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias))[..., heads], dim=SEQ)
-    channels = _local_conv_channels(layer, key_heads, value_heads)
-    weight = layer.conv1d.weight.squeeze(1)[channels]
-    bias = None if layer.conv1d.bias is None else layer.conv1d.bias[channels]
-
-    seq = q.shape[SEQ]
-    mixed = torch.cat([t.reshape(batch, seq, -1) for t in (q, k, v)], dim=-1).transpose(1, 2)
-    conv = modeling.causal_conv1d_fn
-    if ctx.segments is not None and _takes_packed_sequences(conv):
-        seq_idx = torch.repeat_interleave(
-            torch.arange(len(ctx.segments), device=mixed.device, dtype=torch.int32),
-            torch.tensor([b - a for a, b in ctx.segments], device=mixed.device),
-        )[None]
-        mixed = conv(mixed, weight, bias, activation=layer.activation, seq_idx=seq_idx)
-    else:
-        mixed = _per_sample(conv, ctx, 2, mixed, weight=weight, bias=bias, activation=layer.activation)
-    mixed = mixed.transpose(1, 2)
-    local_key_dim = keys_here * layer.head_k_dim
-    q, k, v = torch.split(mixed, [local_key_dim, local_key_dim, values_here * layer.head_v_dim], dim=-1)
-    q = q.reshape(batch, seq, keys_here, layer.head_k_dim)
-    k = k.reshape(batch, seq, keys_here, layer.head_k_dim)
-    v = v.reshape(batch, seq, values_here, layer.head_v_dim)
-
-    rule = modeling.torch_chunk_gated_delta_rule
-    options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
-    if ctx.segments is not None and _takes_packed_sequences(rule):
-        out, _ = rule(q, k, v, g=g, beta=beta, cu_seqlens=ctx.cu_seqlens.to(q.device).long(), **options)
-    else:
-        out = _per_sample(lambda q, k, v, g, beta: rule(q, k, v, g=g, beta=beta, **options), ctx, SEQ, q, k, v, g, beta)
-
-    out = all_to_all(out, SEQ, HEADS, group, size)  # (batch, local_len, num_v, head_v_dim)
+    q, k, v = _heads_over_whole_sequence(layer, layer.in_proj_qkv(hidden_states), share, ctx)
+    beta, g = _gates(layer, layer.in_proj_b(hidden_states), layer.in_proj_a(hidden_states), share, ctx)
+    q, k, v = _causal_conv(modeling, layer, q, k, v, share, ctx)
+    out = _delta_rule(modeling, q, k, v, g, beta, ctx)
+    out = all_to_all(out, SEQ, HEADS, ctx.cp.group, ctx.cp.size)  # (batch, local_len, num_v, head_v_dim)
     ctx.exchanges["linear_attention"] += 6  # q, k, v, out all-to-all; b, a all-gather
+
     out = layer.norm(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(out.reshape(batch, local_len, -1))
