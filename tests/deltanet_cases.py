@@ -23,6 +23,7 @@ def _layer(num_k: int, num_v: int):
 def run_layer_cases(rank: int, world_size: int) -> dict:
     import vlmcp_patch
     from tests.parity import ExchangeCounter, rel_err
+    from vlmcp_patch.attention.linear import _HeadShare
     from vlmcp_patch.context import CPContext
 
     cp = vlmcp_patch.get_cp_group(world_size)
@@ -63,6 +64,7 @@ def run_layer_cases(rank: int, world_size: int) -> dict:
         x_cp = x.clone().requires_grad_(True)
         with ExchangeCounter() as counter:
             local = layer(ctx.shard(x_cp, dim=1), attention_mask=None, vlmcp_ctx=ctx)
+            forward_bytes = counter.buffer_bytes
             full = ctx.gather(local, dim=1)
             ((full * weights) * valid).sum().backward()
         grads = {}
@@ -77,5 +79,10 @@ def run_layer_cases(rank: int, world_size: int) -> dict:
             "input_grad_err": rel_err(x_grad, x_ref.grad),
             "param_grad_err": max(rel_err(grads[n], ref_grads[n]) for n in ref_grads),
             "exchanges": counter.calls,
+            # all-to-all send buffers of the group per token of the sequence, forward, fp32, and the
+            # formula they must match: q and k (key heads after replication), v and the output.
+            "a2a_bytes_per_token": forward_bytes * world_size / (batch * ctx.padded_len),
+            "a2a_bytes_formula": 4 * (2 * layer.num_k_heads * _HeadShare.of(layer, ctx).repeat * layer.head_k_dim
+                                      + 2 * layer.num_v_heads * layer.head_v_dim),
         }
     return results

@@ -44,16 +44,18 @@ def gradient_errors(grads: dict, ref_grads: dict) -> tuple[dict, dict]:
 
 
 class ExchangeCounter:
-    """Counts all-to-all calls: proof that the sequence/head exchange really ran."""
+    """Counts all-to-all calls (proof that the sequence/head exchange really ran) and their buffer bytes."""
 
     def __init__(self):
         self.calls = 0
+        self.buffer_bytes = 0  # each rank's send buffers; (P-1)/P of them leave the rank
         self._orig = dist.all_to_all_single
 
     def __enter__(self):
-        def counting(*args, **kwargs):
+        def counting(output, input, *args, **kwargs):
             self.calls += 1
-            return self._orig(*args, **kwargs)
+            self.buffer_bytes += input.numel() * input.element_size()
+            return self._orig(output, input, *args, **kwargs)
 
         dist.all_to_all_single = counting
         return self
@@ -109,8 +111,8 @@ def compare(model, batch: dict, cp_size: int) -> dict:
     start = cp.rank * local
     ref_slice = ref_out.logits[:, start : min(start + local, seq)]
     return {
-        "loss": float(out.loss),
-        "ref_loss": float(ref_out.loss),
+        "loss": float(out.loss.detach()),
+        "ref_loss": float(ref_out.loss.detach()),
         "loss_err": rel_err(out.loss, ref_out.loss),
         "local_logits_err": rel_err(out.logits[:, : ref_slice.shape[1]], ref_slice),
         "logits_err": rel_err(full_logits, ref_logits),

@@ -18,3 +18,4 @@ def test_deltanet_layer_matches_stock(cp_size):
             assert m["param_grad_err"] <= 1e-5, where
             # q, k, v and the output, forward and backward: the layer really exchanged heads.
             assert m["exchanges"] == 8, where
+            assert m["a2a_bytes_per_token"] == m["a2a_bytes_formula"], where
