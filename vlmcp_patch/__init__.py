@@ -14,6 +14,7 @@ from .attention import registry as _attention_registry  # noqa: E402
 from .context import disabled  # noqa: E402
 from .distributed import data_parallel_rank, data_parallel_world_size, get_cp_group  # noqa: E402
 from .errors import CPInputError, PatchTargetError, UnsupportedSetupError, VLMCPError  # noqa: E402
+from .integrations import accelerate as _accelerate  # noqa: E402
 from .models import qwen3_5 as _qwen3_5  # noqa: E402
 from .models import qwen3_vl as _qwen3_vl  # noqa: E402
 from .patching import PatchSet  # noqa: E402
@@ -23,7 +24,7 @@ from .settings import SETTINGS, cp_size, enable, env_flag  # noqa: E402
 __version__ = "0.1.0"
 
 PATCHES = PatchSet()
-PATCHES.add(*_attention_registry.patches(), *_qwen3_vl.patches(), *_qwen3_5.patches())
+PATCHES.add(*_attention_registry.patches(), *_qwen3_vl.patches(), *_qwen3_5.patches(), *_accelerate.patches())
 
 
 def apply() -> None:

@@ -44,16 +44,15 @@ def _group_for(size: int):
     world = _check_world(size)
     key = (world, size)
     if key not in _GROUPS:
-        if size == world:
-            _GROUPS[key] = dist.group.WORLD
-        else:
-            # new_group is collective over the whole world: every rank creates every block, in order.
-            mine = None
-            for start in range(0, world, size):
-                group = dist.new_group(ranks=list(range(start, start + size)))
-                if start <= dist.get_rank() < start + size:
-                    mine = group
-            _GROUPS[key] = mine
+        # A group of its own even when it spans the world, so the exchanges never interleave with the
+        # gradient all-reduces DDP / DeepSpeed issue on the default group. new_group is collective over
+        # the whole world: every rank creates every block, in order.
+        mine = None
+        for start in range(0, world, size):
+            group = dist.new_group(ranks=list(range(start, start + size)))
+            if start <= dist.get_rank() < start + size:
+                mine = group
+        _GROUPS[key] = mine
     return _GROUPS[key]
 
 
@@ -70,11 +69,15 @@ def data_parallel_world_size() -> int:
     """Number of data-parallel replicas: world size / CP size (1 without torch.distributed)."""
     if not dist.is_available() or not dist.is_initialized():
         return 1
-    return dist.get_world_size() // SETTINGS.cp_size
+    if SETTINGS.cp_size == 1:
+        return dist.get_world_size()
+    return _check_world(SETTINGS.cp_size) // SETTINGS.cp_size
 
 
 def data_parallel_rank() -> int:
     """Index of this rank's CP group among the data-parallel replicas (ranks of one group share it)."""
     if not dist.is_available() or not dist.is_initialized():
         return 0
+    if SETTINGS.cp_size > 1:
+        _check_world(SETTINGS.cp_size)
     return dist.get_rank() // SETTINGS.cp_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +48,8 @@ class Patch:
     """Wrap the function at `target` with a wrapt wrapper `wrapper(wrapped, instance, args, kwargs)`.
 
     `expects` lists parameters the target's signature must have; `mirrors` pins the digest of the
-    upstream source when the replacement re-implements it (see `source_digest`).
+    upstream source when the replacement re-implements it (see `source_digest`); `requires` names an
+    optional package: when it is not installed the patch is skipped, not an error.
     """
 
     target: str
@@ -55,6 +57,7 @@ class Patch:
     reason: str
     expects: tuple[str, ...] = ()
     mirrors: str | None = None
+    requires: str | None = None
 
     def check(self) -> None:
         _, _, current = _resolve(self.target)
@@ -141,12 +144,16 @@ class PatchSet:
     def applied(self) -> bool:
         return bool(self._undo)
 
+    def _installable(self) -> list:
+        return [p for p in self.patches if getattr(p, "requires", None) is None or importlib.util.find_spec(p.requires)]
+
     def apply(self) -> None:
         if self.applied:
             return
-        for patch in self.patches:  # check everything before changing anything
+        patches = self._installable()
+        for patch in patches:  # check everything before changing anything
             patch.check()
-        for patch in self.patches:
+        for patch in patches:
             self._undo.append(patch.apply())
 
     def revert(self) -> None:
@@ -154,7 +161,5 @@ class PatchSet:
             self._undo.pop()()
 
     def status(self) -> list[dict]:
-        return [
-            {"target": p.target, "reason": p.reason, "applied": self.applied}
-            for p in self.patches
-        ]
+        installable = self._installable()
+        return [{"target": p.target, "reason": p.reason, "applied": self.applied and p in installable} for p in self.patches]

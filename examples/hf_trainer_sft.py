@@ -1,0 +1,109 @@
+"""Fine-tune Qwen3-VL / Qwen3.5 with the HF Trainer: the script is stock except for `import vlmcp_patch`.
+
+    # P=1 reference, one process
+    python examples/hf_trainer_sft.py --save-weights p1.pt
+    # the same training with each sequence split over 2 ranks (DDP over gloo on CPU, NCCL on GPUs)
+    VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 examples/hf_trainer_sft.py --save-weights cp2.pt
+
+By default it trains the embedded tiny random-init Qwen3-VL (or `--model tiny-qwen3.5`) on synthetic
+image-text samples, on CPU. Rank 0 prints the logged loss and grad_norm of every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+import vlmcp_patch  # noqa: F401  - the one line that adds context parallelism
+from vlmcp_patch.testing import (
+    Segment,
+    build_model,
+    build_sample,
+    collate,
+    image_processor,
+    tiny_qwen3_5_config,
+    tiny_qwen3_vl_config,
+)
+
+TINY = {"tiny-qwen3-vl": tiny_qwen3_vl_config, "tiny-qwen3.5": tiny_qwen3_5_config}
+LAYOUTS = [
+    [Segment(text=6), Segment(image=(32, 24)), Segment(text=9), Segment(image=(16, 16)), Segment(text=4)],
+    [Segment(text=15)],
+    [Segment(text=3), Segment(image=(16, 32)), Segment(text=8)],
+    [Segment(text=11), Segment(image=(24, 40)), Segment(text=5)],
+]
+
+
+def synthetic_dataset(n: int, seed: int = 0) -> list:
+    processor = image_processor()
+    return [build_sample(LAYOUTS[i % len(LAYOUTS)], seed=seed + i, processor=processor)[0] for i in range(n)]
+
+
+class PaddingCollator:
+    """Right-pads synthetic samples and runs the image processor on their pictures."""
+
+    def __init__(self):
+        self.processor = image_processor()
+
+    def __call__(self, samples):
+        batch = collate(samples, self.processor)
+        batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
+        return batch
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-qwen3-vl", help=f"{' | '.join(TINY)}")
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=2, help="per device")
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--optim", default="adamw_torch", help="any TrainingArguments.optim, e.g. sgd")
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--output-dir", default="out/hf_trainer_sft")
+    parser.add_argument("--save-weights", help="rank 0 saves the trained state dict here (for comparisons)")
+    parser.add_argument("--save-logs", help="rank 0 saves the Trainer's log history here (json)")
+    args = parser.parse_args(argv)
+
+    model = build_model(TINY[args.model](attn_implementation=args.attn), seed=0)
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        optim=args.optim,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        remove_unused_columns=False,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_drop_last=True,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=synthetic_dataset(args.samples),
+        data_collator=PaddingCollator(),
+    )
+    trainer.train()
+    if int(os.environ.get("RANK", "0")) == 0:
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        for entry in logs:
+            print(f"step {entry['step']}: loss {entry['loss']:.6f} grad_norm {entry['grad_norm']:.6f}")
+        if args.save_logs:
+            with open(args.save_logs, "w") as f:
+                json.dump(logs, f)
+        if args.save_weights:
+            torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}, args.save_weights)
+
+
+if __name__ == "__main__":
+    main()

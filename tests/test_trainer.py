@@ -1,0 +1,60 @@
+"""The HF Trainer with DDP (gloo, CPU): a stock script plus `import vlmcp_patch` trains exactly as at P=1.
+
+Three launches of examples/hf_trainer_sft.py on the same global batches: one process at P=1; two
+processes at CP=2 (one data-parallel replica); and, as a control, two processes of stock DDP at P=1,
+which must shard the data (its weights differ) — otherwise the CP parity would prove nothing.
+SGD keeps the comparison about gradients: Adam turns rounding noise in near-zero gradient elements
+into full +-lr steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "hf_trainer_sft.py"
+COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
+
+
+def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str) -> tuple[dict, list]:
+    env = {**os.environ, "VLMCP_CP_SIZE": str(cp_size), "OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs)]
+    files = ["--save-weights", str(tmp / f"{name}.pt"), "--save-logs", str(tmp / f"{name}.json")]
+    cmd = launcher + [str(SCRIPT), "--model", model, "--output-dir", str(tmp / name), *COMMON, *files]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return torch.load(tmp / f"{name}.pt"), json.loads((tmp / f"{name}.json").read_text())
+
+
+@functools.cache
+def runs(model: str, tmp: str):
+    tmp = Path(tmp)
+    return {
+        "p1": _launch(tmp, "p1", 1, 1, model),
+        "cp2": _launch(tmp, "cp2", 2, 2, model),
+        "ddp2": _launch(tmp, "ddp2", 2, 1, model),
+    }
+
+
+def weight_error(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b if b[k].is_floating_point())
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-vl", "tiny-qwen3.5"])
+def test_trainer_ddp_cp2_equals_p1(model, tmp_path_factory):
+    r = runs(model, str(tmp_path_factory.mktemp(model)))
+    (w1, log1), (w2, log2), (wd, _) = r["p1"], r["cp2"], r["ddp2"]
+    assert weight_error(wd, w1) > 1e-2, "stock DDP on two processes did not shard the data"
+    assert weight_error(w2, w1) <= 1e-4
+    assert len(log1) == len(log2) == 3
+    for a, b in zip(log1, log2):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"])

@@ -1,0 +1,61 @@
+"""Accelerate (and so the HF Trainer and TRL) under CP.
+
+Two things change when the ranks of a CP group share each micro-batch:
+
+* data: batches are sharded over the W/P data-parallel replicas, not the W ranks, so that the ranks
+  of one CP group receive the same micro-batches;
+* gradients: DDP averages over all W ranks, while a CP step needs the sum over each CP group (each
+  rank holds its slice's share) and the mean over the replicas — P times DDP's average. The loss is
+  scaled by P inside `Accelerator.backward` only, so the loss the Trainer logs stays the P=1 loss.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..context import cp_requested
+from ..distributed import data_parallel_rank, data_parallel_world_size
+from ..patching import Patch
+from ..settings import SETTINGS
+
+
+def _cp_training() -> bool:
+    return cp_requested() and dist.is_available() and dist.is_initialized()
+
+
+def cp_prepare_data_loader(wrapped, instance, args, kwargs):
+    if _cp_training():
+        kwargs["num_processes"] = data_parallel_world_size()
+        kwargs["process_index"] = data_parallel_rank()
+    return wrapped(*args, **kwargs)
+
+
+def cp_backward(wrapped, instance, args, kwargs):
+    if _cp_training():
+        args = list(args)
+        if args:
+            args[0] = args[0] * SETTINGS.cp_size
+        else:
+            kwargs["loss"] = kwargs["loss"] * SETTINGS.cp_size
+    return wrapped(*args, **kwargs)
+
+
+def patches() -> list[Patch]:
+    return [
+        Patch(
+            target="accelerate.accelerator.prepare_data_loader",
+            wrapper=cp_prepare_data_loader,
+            reason="under CP: shard batches over the W/P data-parallel replicas so the ranks of a CP group get "
+            "the same micro-batches",
+            expects=("dataloader", "num_processes", "process_index"),
+            requires="accelerate",
+        ),
+        Patch(
+            target="accelerate.accelerator.Accelerator.backward",
+            wrapper=cp_backward,
+            reason="under CP: gradients must be summed over the CP group and averaged over replicas, P times the "
+            "all-rank average DDP / DeepSpeed compute; scale the backward (not the logged loss) by P",
+            expects=("loss",),
+            requires="accelerate",
+        ),
+    ]
