@@ -15,6 +15,7 @@ from .context import disabled  # noqa: E402
 from .distributed import data_parallel_rank, data_parallel_world_size, get_cp_group  # noqa: E402
 from .errors import CPInputError, PatchTargetError, UnsupportedSetupError, VLMCPError  # noqa: E402
 from .integrations import accelerate as _accelerate  # noqa: E402
+from .integrations import deepspeed as _deepspeed  # noqa: E402
 from .models import qwen3_5 as _qwen3_5  # noqa: E402
 from .models import qwen3_vl as _qwen3_vl  # noqa: E402
 from .patching import PatchSet  # noqa: E402
@@ -24,7 +25,7 @@ from .settings import SETTINGS, cp_size, enable, env_flag  # noqa: E402
 __version__ = "0.1.0"
 
 PATCHES = PatchSet()
-PATCHES.add(*_attention_registry.patches(), *_qwen3_vl.patches(), *_qwen3_5.patches(), *_accelerate.patches())
+PATCHES.add(*_attention_registry.patches(), *_qwen3_vl.patches(), *_qwen3_5.patches(), *_accelerate.patches(), *_deepspeed.patches())
 
 
 def apply() -> None:

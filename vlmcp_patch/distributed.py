@@ -65,6 +65,17 @@ def get_cp_group(size: int | None = None) -> CPGroup | None:
     return CPGroup(group=group, rank=dist.get_rank() % size, size=size)
 
 
+_WORLD_GROUP: dict[int, object] = {}
+
+
+def world_group():
+    """A group of all ranks, separate from the default one (DeepSpeed's sequence-data-parallel group)."""
+    world = dist.get_world_size()
+    if world not in _WORLD_GROUP:
+        _WORLD_GROUP[world] = dist.new_group(ranks=list(range(world)))
+    return _WORLD_GROUP[world]
+
+
 def data_parallel_world_size() -> int:
     """Number of data-parallel replicas: world size / CP size (1 without torch.distributed)."""
     if not dist.is_available() or not dist.is_initialized():

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import transformers
 import wrapt
 
 from .errors import PatchTargetError
@@ -36,11 +37,30 @@ def _resolve(dotted: str):
             return obj, parts[-1], getattr(obj, parts[-1])
         except AttributeError:
             break
-    raise PatchTargetError(f"patch target {dotted} does not exist in transformers {transformers.__version__}")
+    raise PatchTargetError(f"patch target {dotted} does not exist in {_version_of(dotted)}")
+
+
+def _innermost(obj, name: str):
+    """The function a target really is: through functools.wraps, and through decorators that close over
+    it without wraps (their inner function has the target's name)."""
+    obj = inspect.unwrap(obj)
+    for cell in getattr(obj, "__closure__", None) or ():
+        inner = cell.cell_contents
+        if inspect.isfunction(inner) and name.endswith(inner.__name__) and inner is not obj:
+            return _innermost(inner, name)
+    return obj
 
 
 def source_digest(obj) -> str:
-    return hashlib.sha256(inspect.getsource(inspect.unwrap(obj)).encode()).hexdigest()[:16]
+    return hashlib.sha256(inspect.getsource(_innermost(obj, obj.__name__)).encode()).hexdigest()[:16]
+
+
+def _version_of(dotted: str) -> str:
+    package = dotted.split(".")[0]
+    try:
+        return f"{package} {importlib.metadata.version(package)}"
+    except importlib.metadata.PackageNotFoundError:
+        return package
 
 
 @dataclass(frozen=True)
@@ -60,19 +80,19 @@ class Patch:
     requires: str | None = None
 
     def check(self) -> None:
-        _, _, current = _resolve(self.target)
+        _, name, current = _resolve(self.target)
         original = getattr(current, "__wrapped__", current) if _is_ours(current) else current
-        params = inspect.signature(original).parameters
+        params = inspect.signature(_innermost(original, name)).parameters
         missing = [p for p in self.expects if p not in params]
         if missing:
             raise PatchTargetError(
-                f"patch target {self.target} in transformers {transformers.__version__} has changed: "
+                f"patch target {self.target} in {_version_of(self.target)} has changed: "
                 f"it no longer takes {missing}; this vlmcp-patch release does not support that version"
             )
         if self.mirrors is not None and source_digest(original) != self.mirrors:
             raise PatchTargetError(
-                f"patch target {self.target} in transformers {transformers.__version__} has changed: its source "
-                f"differs from the version vlmcp-patch mirrors ({self.mirrors}); upgrade vlmcp-patch or pin transformers"
+                f"patch target {self.target} in {_version_of(self.target)} has changed: its source differs "
+                f"from the version vlmcp-patch mirrors ({self.mirrors}); upgrade vlmcp-patch or pin that version"
             )
 
     def apply(self) -> Callable[[], None]:
@@ -110,16 +130,14 @@ class RegistryPatch:
         mapping = getattr(interface, "_global_mapping", None)
         if not isinstance(mapping, dict) or not hasattr(interface, "register"):
             raise PatchTargetError(
-                f"patch target {self.registry} in transformers {transformers.__version__} is no longer a registry "
+                f"patch target {self.registry} in {_version_of(self.registry)} is no longer a registry "
                 "with `register` and a global mapping"
             )
         return mapping
 
     def check(self) -> None:
         if self.key not in self._mapping():
-            raise PatchTargetError(
-                f"patch target {self.target} does not exist in transformers {transformers.__version__}"
-            )
+            raise PatchTargetError(f"patch target {self.target} does not exist in {_version_of(self.registry)}")
 
     def apply(self) -> Callable[[], None]:
         mapping = self._mapping()
@@ -132,34 +150,60 @@ class RegistryPatch:
 
 @dataclass
 class PatchSet:
-    """All of the package's patches, applied or reverted together."""
+    """All of the package's patches, applied or reverted together.
+
+    Patches of optional packages (`requires`) are installed when that package is imported — at once
+    if it already is, otherwise by a wrapt post-import hook — so importing vlmcp_patch never imports
+    DeepSpeed or Accelerate itself.
+    """
 
     patches: list = field(default_factory=list)
-    _undo: list = field(default_factory=list)
+    _undo: dict = field(default_factory=dict)  # target -> undo function of the installed patches
+    _active: bool = False
+    _hooked: set = field(default_factory=set)
 
     def add(self, *patches) -> None:
         self.patches.extend(patches)
 
     @property
     def applied(self) -> bool:
-        return bool(self._undo)
+        return self._active
 
-    def _installable(self) -> list:
-        return [p for p in self.patches if getattr(p, "requires", None) is None or importlib.util.find_spec(p.requires)]
-
-    def apply(self) -> None:
-        if self.applied:
-            return
-        patches = self._installable()
+    def _install(self, patches: list) -> None:
         for patch in patches:  # check everything before changing anything
             patch.check()
         for patch in patches:
-            self._undo.append(patch.apply())
+            self._undo[patch.target] = patch.apply()
+
+    def _when_imported(self, package: str) -> None:
+        if package in self._hooked:
+            return
+        self._hooked.add(package)
+
+        @wrapt.when_imported(package)
+        def install(_module):
+            if self._active:
+                self._install([p for p in self.patches if getattr(p, "requires", None) == package])
+
+    def apply(self) -> None:
+        if self._active:
+            return
+        now, later = [], set()
+        for patch in self.patches:
+            package = getattr(patch, "requires", None)
+            if package is None or package in sys.modules:
+                now.append(patch)
+            elif importlib.util.find_spec(package) is not None:
+                later.add(package)
+        self._install(now)
+        self._active = True
+        for package in sorted(later):
+            self._when_imported(package)
 
     def revert(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+        for target in reversed(list(self._undo)):
+            self._undo.pop(target)()
+        self._active = False
 
     def status(self) -> list[dict]:
-        installable = self._installable()
-        return [{"target": p.target, "reason": p.reason, "applied": self.applied and p in installable} for p in self.patches]
+        return [{"target": p.target, "reason": p.reason, "applied": p.target in self._undo} for p in self.patches]

@@ -7,6 +7,7 @@ Two things change when the ranks of a CP group share each micro-batch:
 * gradients: DDP averages over all W ranks, while a CP step needs the sum over each CP group (each
   rank holds its slice's share) and the mean over the replicas — P times DDP's average. The loss is
   scaled by P inside `Accelerator.backward` only, so the loss the Trainer logs stays the P=1 loss.
+  DeepSpeed gets the CP groups instead (integrations/deepspeed.py) and divides by W/P itself.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def cp_prepare_data_loader(wrapped, instance, args, kwargs):
 
 
 def cp_backward(wrapped, instance, args, kwargs):
-    if _cp_training():
+    # DeepSpeed divides by the data-parallel size W/P itself (see integrations/deepspeed.py).
+    if _cp_training() and instance.distributed_type != "DEEPSPEED":
         args = list(args)
         if args:
             args[0] = args[0] * SETTINGS.cp_size

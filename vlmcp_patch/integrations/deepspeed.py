@@ -1,0 +1,93 @@
+"""DeepSpeed under CP: the engine learns the CP groups through an `mpu`, the way it learns Ulysses SP.
+
+DeepSpeed's sequence-parallel support already has the reduction CP needs: gradients are all-reduced
+over the sequence-data-parallel group (all ranks) and divided by the data-parallel size W/P, i.e.
+summed over each CP group and averaged over the replicas — at every ZeRO stage. Its batch arithmetic
+(`train_batch_size = micro x accumulation x W/P`) and its own data loader (sharded over the W/P
+replicas) follow from the same object. `deepspeed.initialize` is patched to pass it when CP is on
+and the caller gave no `mpu` of its own.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..context import cp_requested
+from ..distributed import data_parallel_rank, data_parallel_world_size, get_cp_group, world_group
+from ..patching import Patch
+
+
+class CPParallelState:
+    """The sequence-parallel `mpu` interface DeepSpeed queries, answered with the package's CP groups."""
+
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        """Present so DeepSpeed treats this object as a sequence-parallel mpu; groups exist already."""
+
+    def get_sequence_parallel_group(self):
+        return get_cp_group().group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return get_cp_group().size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return get_cp_group().rank
+
+    def get_sequence_data_parallel_group(self):
+        return world_group()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return dist.get_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return dist.get_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return data_parallel_world_size()
+
+    def get_data_parallel_rank(self) -> int:
+        return data_parallel_rank()
+
+    get_model_parallel_group = get_sequence_parallel_group
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_rank = get_sequence_parallel_rank
+
+
+def cp_deepspeed_initialize(wrapped, instance, args, kwargs):
+    if cp_requested() and kwargs.get("mpu") is None:
+        if not dist.is_initialized():
+            import deepspeed
+
+            deepspeed.init_distributed()
+        kwargs["mpu"] = CPParallelState()
+    return wrapped(*args, **kwargs)
+
+
+def cp_zero3_avg_scatter_grads(wrapped, instance, args, kwargs):
+    # ZeRO-3's reduce-scatter path averages over all W ranks, while its all-reduce path (and ZeRO-1/2)
+    # divide by W/P for sequence parallelism: put the missing factor P back.
+    partitions = wrapped(*args, **kwargs)
+    if cp_requested() and instance.sequence_parallel_size > 1:
+        partitions = [p.mul_(instance.sequence_parallel_size) for p in partitions]
+    return partitions
+
+
+def patches() -> list[Patch]:
+    return [
+        Patch(
+            target="deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3."
+            "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+            wrapper=cp_zero3_avg_scatter_grads,
+            reason="under CP: ZeRO-3's reduce-scatter averages gradients over all W ranks, ignoring the "
+            "sequence-parallel size its other reduction paths divide by; multiply by P so it sums over CP",
+            expects=("params_to_reduce", "communication_data_type"),
+            requires="deepspeed",
+        ),
+        Patch(
+            target="deepspeed.initialize",
+            wrapper=cp_deepspeed_initialize,
+            reason="under CP: give the engine the CP groups as a sequence-parallel mpu, so it reduces gradients "
+            "over CP x DP divided by W/P, sizes batches and shards its data loader over the W/P replicas",
+            expects=("model", "config", "mpu"),
+            requires="deepspeed",
+        )
+    ]
