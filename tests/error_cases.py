@@ -114,12 +114,13 @@ def run_error_cases(rank: int, world_size: int, names: list[str]) -> dict:
     out = build_model(tiny_qwen3_vl_config(), seed=0)(**make_batch(LAYOUT, seed=3))
     out.loss.backward()
     results["after"] = float(out.loss)
-    # Generation runs with CP bypassed.
-    with vlmcp_patch.disabled():
-        model = build_model(tiny_qwen3_vl_config(), seed=0)
-        prompt = make_batch(LAYOUT, seed=3, labels=False)
-        generated = model.generate(**prompt, max_new_tokens=3, do_sample=False)
-    results["generated"] = generated.shape[1] - prompt["input_ids"].shape[1]
+    # generate() runs with CP bypassed, and gives what it gives at P=1.
+    model = build_model(tiny_qwen3_vl_config(), seed=0)
+    prompt = make_batch(LAYOUT, seed=3, labels=False)
+    generated = model.generate(**prompt, max_new_tokens=3, do_sample=False)
     vlmcp_patch.enable(cp_size=1)
+    reference = model.generate(**prompt, max_new_tokens=3, do_sample=False)
+    results["generated"] = generated.shape[1] - prompt["input_ids"].shape[1]
+    results["generated_equals_p1"] = torch.equal(generated, reference)
     dist.barrier()
     return results

@@ -51,7 +51,8 @@ def test_use_cache_true_builds_no_cache_under_cp():
         assert res["use_cache_true_is_fine"] == {"error": None, "past_key_values": True}
 
 
-def test_group_still_works_and_generation_runs_with_cp_bypassed():
+def test_group_still_works_and_generate_runs_with_cp_bypassed():
     r0, r1 = results()
     assert r0["after"] == r1["after"]
     assert r0["generated"] == r1["generated"] == 3
+    assert r0["generated_equals_p1"] and r1["generated_equals_p1"]

@@ -41,7 +41,9 @@ def test_apply_twice_is_a_noop(restore):
     before = _targets()
     vlmcp_patch.apply()
     assert all(a is b for a, b in zip(before, _targets()))
-    assert all(s["applied"] for s in vlmcp_patch.status())
+    installed = {s["target"] for s in vlmcp_patch.status() if s["applied"]}
+    expected = {p.target for p in vlmcp_patch.PATCHES.patches if getattr(p, "requires", None) in (None, *sys.modules)}
+    assert installed == expected
 
 
 def test_revert_restores_the_exact_originals(restore):
@@ -59,8 +61,22 @@ def test_revert_restores_the_exact_originals(restore):
 
 def test_every_patch_names_target_and_reason():
     for entry in vlmcp_patch.status():
-        assert entry["target"].startswith("transformers.")
+        assert entry["target"].split(".")[0] in ("transformers", "accelerate", "deepspeed")
         assert len(entry["reason"]) > 20
+
+
+def test_optional_packages_are_patched_when_imported():
+    code = """
+        import sys, vlmcp_patch
+        def installed():
+            return {s["target"].split(".")[0] for s in vlmcp_patch.status() if s["applied"]}
+        assert "deepspeed" not in sys.modules and "deepspeed" not in installed()
+        import deepspeed
+        assert "deepspeed" in installed()
+        print("ok")
+    """
+    pytest.importorskip("deepspeed")
+    assert _run(code).splitlines()[-1] == "ok"
 
 
 def _noop(wrapped, instance, args, kwargs):

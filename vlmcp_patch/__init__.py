@@ -16,6 +16,7 @@ from .distributed import data_parallel_rank, data_parallel_world_size, get_cp_gr
 from .errors import CPInputError, PatchTargetError, UnsupportedSetupError, VLMCPError  # noqa: E402
 from .integrations import accelerate as _accelerate  # noqa: E402
 from .integrations import deepspeed as _deepspeed  # noqa: E402
+from .models import common as _common  # noqa: E402
 from .models import qwen3_5 as _qwen3_5  # noqa: E402
 from .models import qwen3_vl as _qwen3_vl  # noqa: E402
 from .patching import PatchSet  # noqa: E402
@@ -25,7 +26,9 @@ from .settings import SETTINGS, cp_size, enable, env_flag  # noqa: E402
 __version__ = "0.1.0"
 
 PATCHES = PatchSet()
-PATCHES.add(*_attention_registry.patches(), *_qwen3_vl.patches(), *_qwen3_5.patches(), *_accelerate.patches(), *_deepspeed.patches())
+PATCHES.add(
+    _common.GENERATE_PATCH,
+    *_attention_registry.patches(), *_qwen3_vl.patches(), *_qwen3_5.patches(), *_accelerate.patches(), *_deepspeed.patches())
 
 
 def apply() -> None:

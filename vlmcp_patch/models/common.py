@@ -20,7 +20,7 @@ import torch
 
 from ..attention.heads import kv_replication
 from ..collectives import all_gather_small
-from ..context import CTX_KWARG, CPContext, bypassed, cp_requested, take_pending
+from ..context import CTX_KWARG, CPContext, bypassed, cp_requested, disabled, take_pending
 from ..distributed import SINGLE_RANK, CPGroup, get_cp_group
 from ..errors import CPInputError, UnsupportedSetupError
 from ..loss import sharded_causal_lm_loss
@@ -207,6 +207,23 @@ def _pin_vision_to_sdpa(model) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The wrappers and their declarations
+
+
+def cp_bypassed_generate(wrapped, instance, args, kwargs):
+    # Incremental decoding keeps a cache per rank and feeds one token at a time: nothing to split.
+    # Each rank generates on its own, exactly as at P=1.
+    if not cp_requested():
+        return wrapped(*args, **kwargs)
+    with disabled():
+        return wrapped(*args, **kwargs)
+
+
+GENERATE_PATCH = Patch(
+    target="transformers.generation.utils.GenerationMixin.generate",
+    wrapper=cp_bypassed_generate,
+    reason="under CP: generation runs with CP bypassed (each rank decodes alone, as at P=1)",
+    expects=("inputs", "generation_config"),
+)
 
 TOP_LEVEL_PARAMS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "labels", "logits_to_keep")
 
