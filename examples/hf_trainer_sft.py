@@ -68,12 +68,14 @@ def main(argv=None) -> None:
     parser.add_argument("--output-dir", default="out/hf_trainer_sft")
     parser.add_argument("--save-weights", help="rank 0 saves the trained state dict here (for comparisons)")
     parser.add_argument("--save-logs", help="rank 0 saves the Trainer's log history here (json)")
+    parser.add_argument("--eval-samples", type=int, default=0, help="evaluate on this many held-out samples")
     args = parser.parse_args(argv)
 
     model = build_model(TINY[args.model](attn_implementation=args.attn), seed=0)
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps,
         learning_rate=args.lr,
@@ -91,13 +93,19 @@ def main(argv=None) -> None:
         model=model,
         args=training_args,
         train_dataset=synthetic_dataset(args.samples),
+        eval_dataset=synthetic_dataset(args.eval_samples, seed=10_000) if args.eval_samples else None,
         data_collator=PaddingCollator(),
     )
     trainer.train()
+    if args.eval_samples:
+        trainer.evaluate()
     if int(os.environ.get("RANK", "0")) == 0:
-        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry]
         for entry in logs:
-            print(f"step {entry['step']}: loss {entry['loss']:.6f} grad_norm {entry['grad_norm']:.6f}")
+            if "eval_loss" in entry:
+                print(f"eval: loss {entry['eval_loss']:.6f}")
+            else:
+                print(f"step {entry['step']}: loss {entry['loss']:.6f} grad_norm {entry['grad_norm']:.6f}")
         if args.save_logs:
             with open(args.save_logs, "w") as f:
                 json.dump(logs, f)

@@ -24,11 +24,11 @@ SCRIPT = ROOT / "examples" / "hf_trainer_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
 
 
-def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str) -> tuple[dict, list]:
+def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str, extra=()) -> tuple[dict, list]:
     env = {**os.environ, "VLMCP_CP_SIZE": str(cp_size), "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs)]
     files = ["--save-weights", str(tmp / f"{name}.pt"), "--save-logs", str(tmp / f"{name}.json")]
-    cmd = launcher + [str(SCRIPT), "--model", model, "--output-dir", str(tmp / name), *COMMON, *files]
+    cmd = launcher + [str(SCRIPT), "--model", model, "--output-dir", str(tmp / name), *COMMON, *files, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
     return torch.load(tmp / f"{name}.pt"), json.loads((tmp / f"{name}.json").read_text())
@@ -54,7 +54,24 @@ def test_trainer_ddp_cp2_equals_p1(model, tmp_path_factory):
     (w1, log1), (w2, log2), (wd, _) = r["p1"], r["cp2"], r["ddp2"]
     assert weight_error(wd, w1) > 1e-2, "stock DDP on two processes did not shard the data"
     assert weight_error(w2, w1) <= 1e-4
-    assert len(log1) == len(log2) == 3
+    assert len(log1) == len(log2) == 3  # no evaluation in these runs
     for a, b in zip(log1, log2):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"])
+
+
+def test_trainer_cp2_dp2_trains_and_evaluates_like_p1(tmp_path):
+    """Four processes = 2 data-parallel replicas of CP=2, against one process accumulating both replicas'
+    micro-batches: the same global batches, the same steps, the same evaluation loss."""
+    replica = ["--batch-size", "1", "--eval-samples", "12"]
+    w1, log1 = _launch(tmp_path, "one", 1, 1, "tiny-qwen3-vl", [*replica, "--grad-accum", "4"])
+    w4, log4 = _launch(tmp_path, "four", 4, 2, "tiny-qwen3-vl", [*replica, "--grad-accum", "2"])
+    assert weight_error(w4, w1) <= 1e-4
+    train1, train4 = ([e for e in log if "loss" in e] for log in (log1, log4))
+    assert len(train1) == len(train4) == 3
+    for a, b in zip(train1, train4):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"])
+    eval1, eval4 = ([e["eval_loss"] for e in log if "eval_loss" in e] for log in (log1, log4))
+    assert len(eval1) == len(eval4) == 1
+    assert abs(eval1[0] - eval4[0]) <= 1e-5 * abs(eval1[0])
