@@ -69,6 +69,7 @@ QWEN3_VL_CASES = {
     "moe_text_only": ({"moe": True}, TEXT_ONLY),
     "packed_text": ({}, PACKED_TEXT),
     "grad_checkpointing": ({"gradient_checkpointing": True}, MULTI_IMAGE),
+    "lora_frozen_vision": ({"lora": True}, MULTI_IMAGE),
 }
 
 QWEN3_5_CASES = {
@@ -92,7 +93,12 @@ FAMILIES = {
 # output each way (2 x 8); gradient checkpointing replays the forward ones in backward (+8). Qwen3.5:
 # one attention layer (8) and two DeltaNet layers exchanging q, k, v and the output (2 x 8; their
 # gate inputs travel by all-gather, not counted here).
-EXCHANGES = {"qwen3_vl": {"default": 16, "grad_checkpointing": 24}, "qwen3_5": {"default": 24}}
+# With LoRA on q/v and everything below layer 0 frozen, nothing needs the gradient of layer 0's keys
+# (15).
+EXCHANGES = {
+    "qwen3_vl": {"default": 16, "grad_checkpointing": 24, "lora_frozen_vision": 15},
+    "qwen3_5": {"default": 24},
+}
 
 
 def image_spans(input_ids) -> list[tuple[int, int]]:
@@ -113,6 +119,16 @@ def crosses_shard_edge(input_ids, cp_size: int) -> bool:
     return any(a < e < b for a, b in image_spans(input_ids) for e in edges)
 
 
+def with_lora_and_frozen_vision(model):
+    """PEFT LoRA on the text attention projections, vision tower frozen (a common VLM recipe)."""
+    from peft import LoraConfig, get_peft_model
+
+    model.model.visual.requires_grad_(False)
+    torch.manual_seed(5)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)", init_lora_weights=False)
+    return get_peft_model(model, lora)
+
+
 def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list[str], attn: str = "sdpa") -> dict:
     """Parity metrics of each named case; with attn='flash_attention_2' through the CPU stand-in kernel."""
     from tests import flash_standin
@@ -126,8 +142,11 @@ def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list
         config_kwargs, layout = cases[name]
         config_kwargs = dict(config_kwargs)
         checkpointing = config_kwargs.pop("gradient_checkpointing", False)
+        lora = config_kwargs.pop("lora", False)
         config = make_config(**config_kwargs)
         model = build_model(config, seed=1)
+        if lora:
+            model = with_lora_and_frozen_vision(model)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
@@ -140,5 +159,6 @@ def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list
         metrics["seq_len"] = batch["input_ids"].shape[1]
         metrics["image_crosses_edge"] = crosses_shard_edge(batch["input_ids"], cp_size)
         metrics["num_layers"] = config.get_text_config().num_hidden_layers
+        metrics["trainable"] = sum(p.requires_grad for p in model.parameters())
         results[name] = metrics
     return results

@@ -48,6 +48,11 @@ def test_qwen3_5(case, cp_size):
     assert_parity(results("qwen3_5", cp_size, "sdpa"), "qwen3_5", case, cp_size)
 
 
+def test_lora_case_trains_only_adapters():
+    m = results("qwen3_vl", 2, "sdpa")[0]["lora_frozen_vision"]
+    assert m["num_params"] == m["trainable"] == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_awkward_cases_are_awkward(family, cp_size):
