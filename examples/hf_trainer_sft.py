@@ -18,7 +18,7 @@ import os
 import torch
 from transformers import Trainer, TrainingArguments
 
-import vlmcp_patch  # noqa: F401  - the one line that adds context parallelism
+import vlmcp_patch  # the one line that adds context parallelism
 from vlmcp_patch.testing import (
     Segment,
     build_model,
@@ -95,6 +95,7 @@ def main(argv=None) -> None:
         train_dataset=synthetic_dataset(args.samples),
         eval_dataset=synthetic_dataset(args.eval_samples, seed=10_000) if args.eval_samples else None,
         data_collator=PaddingCollator(),
+        callbacks=[vlmcp_patch.VLMCPCallback()],  # optional: setup checks and CP facts in the logs
     )
     trainer.train()
     if args.eval_samples:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.harness import free_port
+
 pytest.importorskip("deepspeed")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +32,8 @@ def launch(model: str, stage: int, procs: int, cp_size: int) -> tuple[dict, list
     tmp = Path(tempfile.mkdtemp())
     env = {**os.environ, "VLMCP_CP_SIZE": str(cp_size), "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), str(SCRIPT),
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port", str(free_port()),
+        str(SCRIPT),
         "--deepspeed", str(ROOT / "examples" / f"ds_zero{stage}.json"), "--model", model,
         "--save-weights", str(tmp / "w.pt"), "--save-logs", str(tmp / "log.json"),
     ]

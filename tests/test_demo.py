@@ -7,10 +7,13 @@ import re
 import subprocess
 import sys
 
+from tests.harness import free_port
+
 
 def test_demo_cp2_matches_p1():
     env = {**os.environ, "VLMCP_CP_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "vlmcp_patch.demo"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += ["-m", "vlmcp_patch.demo"]
     out = subprocess.run(cmd + ["--steps", "3"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "CP size 2" in out.stdout

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.harness import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "hf_trainer_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
@@ -26,7 +28,9 @@ COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "
 
 def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str, extra=()) -> tuple[dict, list]:
     env = {**os.environ, "VLMCP_CP_SIZE": str(cp_size), "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs)]
+    launcher = [sys.executable] if procs == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port", str(free_port()),
+    ]
     files = ["--save-weights", str(tmp / f"{name}.pt"), "--save-logs", str(tmp / f"{name}.json")]
     cmd = launcher + [str(SCRIPT), "--model", model, "--output-dir", str(tmp / name), *COMMON, *files, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
@@ -58,6 +62,9 @@ def test_trainer_ddp_cp2_equals_p1(model, tmp_path_factory):
     for a, b in zip(log1, log2):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"])
+        # VLMCPCallback's facts ride along with the Trainer's logs at CP=2 only.
+        assert b["cp_size"] == 2 and b["cp_data_parallel_size"] == 1 and "cp_size" not in a
+        assert b["cp_tokens_per_rank"] > 0 and 0 <= b["cp_padding"] < 1
 
 
 def test_trainer_cp2_dp2_trains_and_evaluates_like_p1(tmp_path):
@@ -75,3 +82,25 @@ def test_trainer_cp2_dp2_trains_and_evaluates_like_p1(tmp_path):
     eval1, eval4 = ([e["eval_loss"] for e in log if "eval_loss" in e] for log in (log1, log4))
     assert len(eval1) == len(eval4) == 1
     assert abs(eval1[0] - eval4[0]) <= 1e-5 * abs(eval1[0])
+
+
+def test_callback_rejects_bad_setups_before_training():
+    import vlmcp_patch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from vlmcp_patch.testing import build_model, tiny_qwen3_vl_config
+
+    vlmcp_patch.enable(cp_size=2)
+    try:
+        with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="eager"):
+            vlmcp_patch.check_cp_setup(build_model(tiny_qwen3_vl_config(attn_implementation="eager")))
+        with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="Qwen3VLForConditionalGeneration"):
+            vlmcp_patch.check_cp_setup(Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                                   num_attention_heads=2, num_key_value_heads=1,
+                                                                   intermediate_size=32, head_dim=8)))
+        with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="3 query heads"):
+            vlmcp_patch.check_cp_setup(build_model(tiny_qwen3_vl_config(num_attention_heads=3, num_key_value_heads=1)))
+        with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="needs torch.distributed"):
+            vlmcp_patch.check_cp_setup(build_model(tiny_qwen3_vl_config()))
+    finally:
+        vlmcp_patch.enable(cp_size=1)

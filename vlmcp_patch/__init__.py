@@ -11,6 +11,7 @@ from .compat import check_transformers_version
 check_transformers_version()
 
 from .attention import registry as _attention_registry  # noqa: E402
+from .callback import VLMCPCallback, check_cp_setup  # noqa: E402
 from .context import disabled  # noqa: E402
 from .distributed import data_parallel_rank, data_parallel_world_size, get_cp_group  # noqa: E402
 from .errors import CPInputError, PatchTargetError, UnsupportedSetupError, VLMCPError  # noqa: E402
@@ -50,6 +51,8 @@ if not env_flag("VLMCP_DISABLE"):
     apply()
 
 __all__ = [
+    "VLMCPCallback",
+    "check_cp_setup",
     "CPInputError",
     "PatchTargetError",
     "UnsupportedSetupError",

@@ -300,6 +300,9 @@ def cp_top_level_forward(wrapped, instance, args, kwargs):
         attention_mask=call.get("attention_mask"),
         text_position_ids=text_positions_of(call.get("position_ids")),
     )
+    from ..callback import STATS
+
+    STATS.record(ctx)
     labels = call.pop("labels", None)
     shift_labels = call.pop("shift_labels", None)
     num_items_in_batch = call.pop("num_items_in_batch", None)
