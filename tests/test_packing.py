@@ -82,7 +82,7 @@ def test_first_fit_decreasing_respects_the_budget():
 
 
 def test_packing_pads_less_than_padded_batches():
-    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     lengths = torch.distributions.LogNormal(7.0, 0.8).sample((512,)).clamp(64, 8192).long().tolist()
     assert padding_fraction_packed(lengths, 8192) < padding_fraction_padded(lengths, 8)
 

@@ -29,7 +29,12 @@ __version__ = "0.1.0"
 PATCHES = PatchSet()
 PATCHES.add(
     _common.GENERATE_PATCH,
-    *_attention_registry.patches(), *_qwen3_vl.patches(), *_qwen3_5.patches(), *_accelerate.patches(), *_deepspeed.patches())
+    *_attention_registry.patches(),
+    *_qwen3_vl.patches(),
+    *_qwen3_5.patches(),
+    *_accelerate.patches(),
+    *_deepspeed.patches(),
+)
 
 
 def apply() -> None:
@@ -38,7 +43,7 @@ def apply() -> None:
 
 
 def revert() -> None:
-    """Restore the exact original transformers objects."""
+    """Restore the exact original objects (transformers, and accelerate / deepspeed where patched)."""
     PATCHES.revert()
 
 
