@@ -200,3 +200,18 @@ def test_p1_is_bit_identical_to_stock(moe, restore):
     assert torch.equal(ref[0], ours[0]) and torch.equal(ref[1], ours[1])
     assert ref[2].keys() == ours[2].keys()
     assert all(torch.equal(ref[2][n], ours[2][n]) for n in ref[2])
+
+
+def test_p1_generation_with_left_padding_is_stock(restore):
+    """Generation builds 4-row position ids with zeros over left padding: not a packed row."""
+    model = build_model(tiny_qwen3_vl_config(), seed=3)
+    batch = make_batch([[Segment(text=4), Segment(image=(16, 16)), Segment(text=3)], [Segment(text=5)]], seed=1,
+                       labels=False)
+    lengths = batch["attention_mask"].sum(1)
+    for key in ("input_ids", "mm_token_type_ids", "attention_mask"):  # right -> left padding
+        for b in range(batch[key].shape[0]):
+            batch[key][b] = torch.roll(batch[key][b], int(batch[key].shape[1] - lengths[b]))
+    ours = model.generate(**batch, max_new_tokens=3, do_sample=False)
+    vlmcp_patch.revert()
+    stock = model.generate(**batch, max_new_tokens=3, do_sample=False)
+    assert torch.equal(ours, stock)

@@ -30,8 +30,13 @@ def text_positions_of(position_ids: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def packed_starts(call: dict) -> torch.Tensor | None:
-    """Sample starts (bool, shape (S,)) of a packed row, None for an ordinary batch; checks the convention."""
-    text = text_positions_of(call.get("position_ids"))
+    """Sample starts (bool, shape (S,)) of a packed row, None for an ordinary batch; checks the convention.
+
+    Only the collator's signals count: 2D `position_ids` or `cu_seq_lens_q`. The 4-row position ids that
+    generation builds (text + 3D mRoPE, zeros over left padding) never mark a packed row.
+    """
+    positions = call.get("position_ids")
+    text = positions if positions is not None and positions.ndim == 2 else None
     cu = call.get("cu_seq_lens_q")
     starts = None
     if text is not None:
