@@ -47,11 +47,11 @@ def _takes_packed_sequences(fn) -> bool:
 
 def _local_conv_channels(layer, key_heads: list[int], value_heads: list[int]) -> torch.Tensor:
     """Indices of the conv channels (layout [q | k | v]) of the given key and value heads."""
+    device = layer.conv1d.weight.device
     dk, dv, key_dim = layer.head_k_dim, layer.head_v_dim, layer.key_dim
-    q = [h * dk + i for h in key_heads for i in range(dk)]
-    k = [key_dim + c for c in q]
-    v = [2 * key_dim + h * dv + i for h in value_heads for i in range(dv)]
-    return torch.tensor(q + k + v, device=layer.conv1d.weight.device)
+    q = (torch.tensor(key_heads, device=device)[:, None] * dk + torch.arange(dk, device=device)).flatten()
+    v = (torch.tensor(value_heads, device=device)[:, None] * dv + torch.arange(dv, device=device)).flatten()
+    return torch.cat([q, key_dim + q, 2 * key_dim + v])
 
 
 def _per_sample(fn, ctx: CPContext, seq_dim: int, *tensors, **kwargs):
