@@ -2,46 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from transformers import TrainerCallback
 
-from .attention.heads import kv_replication
-from .context import CPContext
 from .distributed import data_parallel_world_size, get_cp_group
 from .errors import UnsupportedSetupError
 from .models import SUPPORTED_CLASSES
-from .models.common import SUPPORTED_ATTENTION
+from .models.common import check_model_config
 from .settings import SETTINGS
-
-
-@dataclass
-class LayoutStats:
-    """Token counts of the CP forwards since the last log (telemetry only; no forward reads it)."""
-
-    forwards: int = 0
-    slots: int = 0  # token slots per rank (batch x local slice), padding included
-    padding: int = 0
-
-    def record(self, ctx: CPContext) -> None:
-        slots = ctx.batch_size * ctx.local_len
-        if ctx.padding_mask is not None:
-            real = int(ctx.padding_mask[:, ctx.local_slice].sum())
-        else:
-            real = ctx.batch_size * max(0, min(ctx.seq_len - ctx.local_slice.start, ctx.local_len))
-        self.forwards += 1
-        self.slots += slots
-        self.padding += slots - real
-
-    def drain(self) -> dict:
-        facts = {}
-        if self.forwards:
-            facts = {"cp_tokens_per_rank": self.slots / self.forwards, "cp_padding": self.padding / self.slots}
-        self.forwards = self.slots = self.padding = 0
-        return facts
-
-
-STATS = LayoutStats()
+from .stats import STATS
 
 
 def _supported_model(model):
@@ -61,17 +29,7 @@ def check_cp_setup(model) -> None:
             f"{type(model).__name__} cannot run under CP (VLMCP_CP_SIZE={SETTINGS.cp_size}); supported: "
             f"{', '.join(SUPPORTED_CLASSES)}"
         )
-    text = found.config.get_text_config()
-    if text._attn_implementation not in SUPPORTED_ATTENTION:
-        raise UnsupportedSetupError(
-            f"attn_implementation={text._attn_implementation!r} is not supported under CP; load the model with "
-            "attn_implementation='sdpa' or 'flash_attention_2'"
-        )
-    kv_replication(text.num_attention_heads, text.num_key_value_heads, SETTINGS.cp_size, "softmax attention")
-    if getattr(text, "linear_num_value_heads", None):
-        kv_replication(
-            text.linear_num_value_heads, text.linear_num_key_heads, SETTINGS.cp_size, "gated DeltaNet", ("value", "key")
-        )
+    check_model_config(found.config.get_text_config(), SETTINGS.cp_size)
     get_cp_group()  # torch.distributed is up and P divides the world size
 
 

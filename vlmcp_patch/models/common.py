@@ -27,6 +27,7 @@ from ..loss import sharded_causal_lm_loss
 from ..packing import packed_starts, packed_text_positions, per_sample_mrope, text_positions_of
 from ..patching import Patch
 from ..settings import SETTINGS
+from ..stats import STATS
 from . import SUPPORTED_CLASSES
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
@@ -70,27 +71,26 @@ class Problem:
     message: str
 
 
-def _check_setup(model, cp: CPGroup, call: dict) -> Problem | None:
-    text_config = model.config.get_text_config()
+def check_model_config(text_config, cp_size: int) -> None:
+    """Raise `UnsupportedSetupError` if a text config cannot run exactly at this CP size."""
     impl = text_config._attn_implementation
     if impl not in SUPPORTED_ATTENTION:
-        return Problem(
-            UnsupportedSetupError,
+        raise UnsupportedSetupError(
             f"attn_implementation={impl!r} is not supported under CP (VLMCP_CP_SIZE={SETTINGS.cp_size}) or for "
-            "packed rows; load the model with attn_implementation='sdpa' or 'flash_attention_2'.",
+            "packed rows; load the model with attn_implementation='sdpa' or 'flash_attention_2'."
         )
-    try:
+    kv_replication(text_config.num_attention_heads, text_config.num_key_value_heads, cp_size, "softmax attention")
+    if getattr(text_config, "linear_num_value_heads", None):
         kv_replication(
-            text_config.num_attention_heads, text_config.num_key_value_heads, cp.size, what="softmax attention"
+            text_config.linear_num_value_heads, text_config.linear_num_key_heads, cp_size, "gated DeltaNet",
+            ("value", "key"),
         )
-        if getattr(text_config, "linear_num_value_heads", None):
-            kv_replication(
-                text_config.linear_num_value_heads,
-                text_config.linear_num_key_heads,
-                cp.size,
-                what="gated DeltaNet",
-                names=("value", "key"),
-            )
+
+
+def _check_setup(model, cp: CPGroup, call: dict) -> Problem | None:
+    text_config = model.config.get_text_config()
+    try:
+        check_model_config(text_config, cp.size)
     except UnsupportedSetupError as exc:
         return Problem(UnsupportedSetupError, str(exc))
     if call.get("past_key_values") is not None:
@@ -300,8 +300,6 @@ def cp_top_level_forward(wrapped, instance, args, kwargs):
         attention_mask=call.get("attention_mask"),
         text_position_ids=text_positions_of(call.get("position_ids")),
     )
-    from ..callback import STATS
-
     STATS.record(ctx)
     labels = call.pop("labels", None)
     shift_labels = call.pop("shift_labels", None)

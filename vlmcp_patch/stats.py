@@ -1,0 +1,36 @@
+"""Token counts of the CP forwards, for `VLMCPCallback`'s logs (telemetry only; no forward reads it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .context import CPContext
+
+
+@dataclass
+class LayoutStats:
+    """Token counts of the CP forwards since the last log (telemetry only; no forward reads it)."""
+
+    forwards: int = 0
+    slots: int = 0  # token slots per rank (batch x local slice), padding included
+    padding: int = 0
+
+    def record(self, ctx: CPContext) -> None:
+        slots = ctx.batch_size * ctx.local_len
+        if ctx.padding_mask is not None:
+            real = int(ctx.padding_mask[:, ctx.local_slice].sum())
+        else:
+            real = ctx.batch_size * max(0, min(ctx.seq_len - ctx.local_slice.start, ctx.local_len))
+        self.forwards += 1
+        self.slots += slots
+        self.padding += slots - real
+
+    def drain(self) -> dict:
+        facts = {}
+        if self.forwards:
+            facts = {"cp_tokens_per_rank": self.slots / self.forwards, "cp_padding": self.padding / self.slots}
+        self.forwards = self.slots = self.padding = 0
+        return facts
+
+
+STATS = LayoutStats()
