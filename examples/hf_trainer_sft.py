@@ -16,6 +16,7 @@ import json
 import os
 
 import torch
+from accelerate import ParallelismConfig
 from transformers import Trainer, TrainingArguments
 
 import vlmcp_patch  # the one line that adds context parallelism
@@ -55,6 +56,29 @@ class PaddingCollator:
         return batch
 
 
+def configure_cpu_deepspeed_state() -> None:
+    """DeepSpeed on CPU (gloo), set up the way accelerate sets it up on GPUs.
+
+    Without this, accelerate treats each CPU process of a DeepSpeed run as an independent job (one
+    process, no data sharding); GPU clusters never need it.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    PartialState(cpu=True, backend="gloo").distributed_type = DistributedType.DEEPSPEED
+
+
+def full_state_dict(model) -> dict:
+    """The trained weights, gathered from their ZeRO-3 partitions where DeepSpeed holds them (all ranks call)."""
+    params = list(model.parameters())
+    if hasattr(params[0], "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-qwen3-vl", help=f"{' | '.join(TINY)}")
@@ -69,8 +93,15 @@ def main(argv=None) -> None:
     parser.add_argument("--save-weights", help="rank 0 saves the trained state dict here (for comparisons)")
     parser.add_argument("--save-logs", help="rank 0 saves the Trainer's log history here (json)")
     parser.add_argument("--eval-samples", type=int, default=0, help="evaluate on this many held-out samples")
+    parser.add_argument("--deepspeed", help="train with DeepSpeed, this config (e.g. examples/ds_trainer_zero2.json)")
+    parser.add_argument("--sp-size", type=int, default=1,
+                        help="instead of VLMCP_CP_SIZE: Accelerate's own switch, "
+                        "ParallelismConfig(sp_backend='deepspeed', sp_size=N) (needs --deepspeed)")
     args = parser.parse_args(argv)
 
+    on_cpu = not torch.cuda.is_available()
+    if args.deepspeed and on_cpu:
+        configure_cpu_deepspeed_state()
     model = build_model(TINY[args.model](attn_implementation=args.attn), seed=0)
     training_args = TrainingArguments(
         output_dir=args.output_dir,
@@ -85,7 +116,10 @@ def main(argv=None) -> None:
         save_strategy="no",
         report_to=[],
         remove_unused_columns=False,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=on_cpu and not args.deepspeed,
+        deepspeed=args.deepspeed,
+        parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=args.sp_size) if args.sp_size > 1 else None,
+        accelerator_config={"use_configured_state": True} if args.deepspeed and on_cpu else None,
         dataloader_drop_last=True,
         seed=0,
     )
@@ -100,6 +134,7 @@ def main(argv=None) -> None:
     trainer.train()
     if args.eval_samples:
         trainer.evaluate()
+    state = full_state_dict(trainer.model) if args.save_weights else None
     if int(os.environ.get("RANK", "0")) == 0:
         logs = [entry for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry]
         for entry in logs:
@@ -111,7 +146,7 @@ def main(argv=None) -> None:
             with open(args.save_logs, "w") as f:
                 json.dump(logs, f)
         if args.save_weights:
-            torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}, args.save_weights)
+            torch.save(state, args.save_weights)
 
 
 if __name__ == "__main__":

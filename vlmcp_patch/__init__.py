@@ -17,6 +17,7 @@ from .distributed import data_parallel_rank, data_parallel_world_size, get_cp_gr
 from .errors import CPInputError, PatchTargetError, UnsupportedSetupError, VLMCPError  # noqa: E402
 from .integrations import accelerate as _accelerate  # noqa: E402
 from .integrations import deepspeed as _deepspeed  # noqa: E402
+from .integrations import sp_switch as _sp_switch  # noqa: E402
 from .models import common as _common  # noqa: E402
 from .models import qwen3_5 as _qwen3_5  # noqa: E402
 from .models import qwen3_vl as _qwen3_vl  # noqa: E402
@@ -34,6 +35,7 @@ PATCHES.add(
     *_qwen3_5.patches(),
     *_accelerate.patches(),
     *_deepspeed.patches(),
+    *_sp_switch.patches(),
 )
 
 

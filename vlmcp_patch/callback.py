@@ -6,24 +6,17 @@ from transformers import TrainerCallback
 
 from .distributed import data_parallel_world_size, get_cp_group
 from .errors import UnsupportedSetupError
-from .models import SUPPORTED_CLASSES
+from .models import SUPPORTED_CLASSES, find_supported_model
 from .models.common import check_model_config
 from .settings import SETTINGS
 from .stats import STATS
-
-
-def _supported_model(model):
-    for module in model.modules():  # through PEFT / DeepSpeed / DDP wrappers
-        if type(module).__name__ in SUPPORTED_CLASSES:
-            return module
-    return None
 
 
 def check_cp_setup(model) -> None:
     """Raise a clear error if `model` cannot train under the configured CP size."""
     if SETTINGS.cp_size == 1:
         return
-    found = _supported_model(model)
+    found = find_supported_model(model)
     if found is None:
         raise UnsupportedSetupError(
             f"{type(model).__name__} cannot run under CP (VLMCP_CP_SIZE={SETTINGS.cp_size}); supported: "

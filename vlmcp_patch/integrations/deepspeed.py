@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ..context import cp_requested
 from ..distributed import data_parallel_rank, data_parallel_world_size, get_cp_group, world_group
 from ..patching import Patch
+from .sp_switch import preparing_for_accelerate
 
 
 class CPParallelState:
@@ -52,6 +53,18 @@ class CPParallelState:
     get_model_parallel_rank = get_sequence_parallel_rank
 
 
+def _size_batch_for_replicas(config) -> None:
+    # accelerate and the HF Trainer fill an "auto" train_batch_size as micro x accumulation x W; under CP
+    # there are W/P replicas (accelerate makes the same correction for its own SP at the last moment).
+    if not isinstance(config, dict):
+        return
+    micro, accumulation = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")
+    if not all(isinstance(v, int) for v in (micro, accumulation, config.get("train_batch_size"))):
+        return
+    if config["train_batch_size"] == micro * accumulation * dist.get_world_size():
+        config["train_batch_size"] = micro * accumulation * data_parallel_world_size()
+
+
 def cp_deepspeed_initialize(wrapped, instance, args, kwargs):
     if cp_requested() and kwargs.get("mpu") is None:
         if not dist.is_initialized():
@@ -59,6 +72,8 @@ def cp_deepspeed_initialize(wrapped, instance, args, kwargs):
 
             deepspeed.init_distributed()
         kwargs["mpu"] = CPParallelState()
+        if preparing_for_accelerate():
+            _size_batch_for_replicas(kwargs.get("config_params", kwargs.get("config")))
     return wrapped(*args, **kwargs)
 
 

@@ -2,3 +2,13 @@
 
 # Top-level classes that run under CP, filled in by the family modules (used in error messages).
 SUPPORTED_CLASSES: list[str] = []
+
+
+def find_supported_model(model):
+    """The module of a supported top-level class inside `model` (through PEFT / DeepSpeed / DDP wrappers)."""
+    if model is None:
+        return None
+    for module in model.modules():
+        if type(module).__name__ in SUPPORTED_CLASSES:
+            return module
+    return None

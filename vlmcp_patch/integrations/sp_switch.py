@@ -1,0 +1,126 @@
+"""Accelerate's own sequence-parallel switch, routed to this package's CP for the models it supports.
+
+`ParallelismConfig(sp_backend="deepspeed", sp_size=P)` (in `TrainingArguments(parallelism_config=...)`
+or an `Accelerator`) selects DeepSpeed's ALST/Ulysses. For Qwen3-VL and Qwen3.5 that path is wrong
+or refused: its loader splits `input_ids` before the vision tower and mRoPE see them, and its
+attention wrapper never reaches the DeltaNet recurrence (which is why accelerate refuses models with
+linear-attention layers). For a model this package supports, the switch is taken over instead: CP
+runs with P = sp_size and the sequence-parallel setting is removed from the accelerator, so neither
+ALST's attention, its data-loader adapter, nor its refusal and loss path are engaged. Every other
+model keeps accelerate's behaviour, the refusal included.
+
+The take-over must happen before the first data loader is prepared (it is sharded over the W/P
+replicas under CP, over all W ranks under ALST): the HF Trainer is handled when it creates its
+accelerator; a plain `Accelerator` when the model is prepared (together with, or before, its loaders).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+
+from ..errors import UnsupportedSetupError
+from ..models import find_supported_model
+from ..patching import Patch
+from ..settings import SETTINGS, enable
+
+logger = logging.getLogger("vlmcp_patch")
+
+# Set while accelerate prepares a DeepSpeed engine: its batch sizes were derived for all W ranks.
+_PREPARING_FOR_ACCELERATE = contextvars.ContextVar("vlmcp_preparing_for_accelerate", default=False)
+
+
+def preparing_for_accelerate() -> bool:
+    return _PREPARING_FOR_ACCELERATE.get()
+
+
+def _deepspeed_sp_size(accelerator) -> int:
+    pc = getattr(accelerator, "parallelism_config", None)
+    if pc is None or pc.sp_backend != "deepspeed" or not pc.sp_enabled:
+        return 1
+    return pc.sp_size
+
+
+def take_over_sequence_parallelism(accelerator, model) -> bool:
+    """If `accelerator` asks for DeepSpeed SP and `model` is one this package runs under CP, run CP instead.
+
+    Returns whether the switch was taken over. Idempotent: a second call finds the setting removed.
+    """
+    sp_size = _deepspeed_sp_size(accelerator)
+    if sp_size == 1 or model is None:
+        return False
+    found = find_supported_model(model)
+    if found is None:
+        return False
+    if SETTINGS.cp_size not in (1, sp_size):
+        raise UnsupportedSetupError(
+            f"VLMCP_CP_SIZE={SETTINGS.cp_size} disagrees with ParallelismConfig(sp_size={sp_size}); both select "
+            "the CP size here. Set one of them, or the same value in both."
+        )
+    enable(cp_size=sp_size)
+    pc = accelerator.parallelism_config
+    accelerator.state.parallelism_config = dataclasses.replace(pc, sp_size=1, sp_handler=None)
+    logger.info(
+        "vlmcp_patch: ParallelismConfig(sp_backend='deepspeed', sp_size=%d) runs as vlmcp_patch context "
+        "parallelism (P=%d) for %s, instead of DeepSpeed ALST", sp_size, sp_size, type(found).__name__,
+    )
+    return True
+
+
+def cp_trainer_create_accelerator(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    take_over_sequence_parallelism(instance.accelerator, instance.model)
+    return result
+
+
+def _model_among(objects):
+    import torch
+
+    return next((obj for obj in objects if isinstance(obj, torch.nn.Module)), None)
+
+
+@contextlib.contextmanager
+def _accelerate_sizing():
+    token = _PREPARING_FOR_ACCELERATE.set(True)
+    try:
+        yield
+    finally:
+        _PREPARING_FOR_ACCELERATE.reset(token)
+
+
+def cp_prepare_deepspeed(wrapped, instance, args, kwargs):
+    model = _model_among(args)
+    if _deepspeed_sp_size(instance) > 1 and find_supported_model(model) is not None and instance._dataloaders:
+        raise UnsupportedSetupError(
+            "ParallelismConfig(sp_backend='deepspeed') runs as vlmcp_patch CP for this model, and CP needs the "
+            "data loaders sharded over the data-parallel replicas: call accelerator.prepare() on the model "
+            "together with, or before, the data loaders."
+        )
+    take_over_sequence_parallelism(instance, model)
+    with _accelerate_sizing():
+        return wrapped(*args, **kwargs)
+
+
+def patches() -> list[Patch]:
+    return [
+        Patch(
+            target="transformers.trainer.Trainer.create_accelerator_and_postprocess",
+            wrapper=cp_trainer_create_accelerator,
+            reason="route ParallelismConfig(sp_backend='deepspeed') to CP for supported models as soon as the "
+            "Trainer's accelerator exists, before its data loaders are prepared and before the Trainer reads "
+            "the SP setting (ALST loss, loader adapter, step counts)",
+            expects=(),
+            requires="transformers.trainer",  # installed when the Trainer is imported, not by vlmcp_patch
+        ),
+        Patch(
+            target="accelerate.accelerator.Accelerator._prepare_deepspeed",
+            wrapper=cp_prepare_deepspeed,
+            reason="route ParallelismConfig(sp_backend='deepspeed') to CP for supported models prepared through a "
+            "plain Accelerator (ALST would mangle multimodal batches and refuses DeltaNet layers), and mark "
+            "accelerate's batch sizes as computed for all W ranks (fixed to W/P replicas in deepspeed.initialize)",
+            expects=(),
+            requires="accelerate",
+        ),
+    ]
