@@ -1,0 +1,51 @@
+"""Accelerate's own switch, `ParallelismConfig(sp_backend="deepspeed", sp_size=P)`, with a plain Accelerator.
+
+For a model this package supports it runs as vlmcp CP (the ranks of a CP group share each batch,
+the loss equals P=1, DeepSpeed's batch arithmetic uses the W/P replicas); for a linear-attention
+model the package does not handle, accelerate's refusal stays. The HF Trainer's route through the
+same switch is trained to parity in test_trainer.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import free_port
+
+pytest.importorskip("deepspeed")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(mode: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{mode}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(ROOT / "tests" / "sp_switch_script.py"), mode, str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLMCP_CP_SIZE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_switch_runs_qwen3_5_as_cp(tmp_path):
+    r = run("qwen3.5", tmp_path)
+    assert r["cp_size"] == 2 and r["accelerator_sp_size"] == 1
+    assert r["train_batch_size"] == 2  # micro 2 x accumulation 1 x one data-parallel replica
+    assert r["batches"][:2] == r["batches"][2:], "the two ranks of the CP group got different batches"
+    assert abs(r["loss"] - r["p1_loss"]) <= 1e-5 * abs(r["p1_loss"])
+
+
+def test_switch_keeps_accelerates_refusal_for_models_the_package_does_not_handle(tmp_path):
+    r = run("qwen3-next", tmp_path)
+    assert r["error"] == "ValueError" and "does not support attention layers of type" in r["message"]
+
+
+def test_switch_needs_the_model_prepared_before_the_loaders(tmp_path):
+    r = run("loader-first", tmp_path)
+    assert r["error"] == "UnsupportedSetupError" and "together with, or before, the data loaders" in r["message"]
