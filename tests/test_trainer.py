@@ -128,6 +128,22 @@ def test_trainer_deepspeed_stock_two_processes_shard_the_data(tmp_path):
     assert weight_error(wd, w1) > 1e-2
 
 
+def test_trainer_zero3_cp2_dp2_mixed_modality_equals_one_process(tmp_path):
+    """Four processes = 2 replicas of CP=2 under ZeRO-3, where one replica's micro-batch is text-only
+    while the other's has images (stock ZeRO-3 hangs there: the text-only ranks skip the vision tower's
+    weight all-gathers). Placeholder vision passes keep them matched; the weights equal one process
+    accumulating both replicas' micro-batches (ZeRO-2, which has no such collectives)."""
+    pytest.importorskip("deepspeed")
+    replica = ["--batch-size", "1"]
+    w1, log1 = _launch(tmp_path, "one", 1, 1, "tiny-qwen3-vl", [*replica, "--grad-accum", "4", *_deepspeed(2)])
+    w4, log4 = _launch(tmp_path, "four", 4, 2, "tiny-qwen3-vl", [*replica, "--grad-accum", "2", *_deepspeed(3)])
+    assert sum(entry.get("cp_vision_placeholder_passes", 0) for entry in log4) > 0, "no mixed-modality step ran"
+    assert weight_error(w4, w1) <= 1e-4
+    for a, b in zip(log1, log4):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"])
+
+
 def test_callback_rejects_bad_setups_before_training():
     import vlmcp_patch
     from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -1,4 +1,4 @@
-"""Token counts of the CP forwards, for `VLMCPCallback`'s logs (telemetry only; no forward reads it)."""
+"""Token counts of the CP forwards (and ZeRO-3 placeholder vision passes), for `VLMCPCallback`'s logs (telemetry only; no forward reads it)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ class LayoutStats:
     forwards: int = 0
     slots: int = 0  # token slots per rank (batch x local slice), padding included
     padding: int = 0
+    vision_placeholders: int = 0  # ZeRO-3 placeholder vision passes (models/vision_placeholder.py)
 
     def record(self, ctx: CPContext) -> None:
         slots = ctx.batch_size * ctx.local_len
@@ -29,7 +30,9 @@ class LayoutStats:
         facts = {}
         if self.forwards:
             facts = {"cp_tokens_per_rank": self.slots / self.forwards, "cp_padding": self.padding / self.slots}
-        self.forwards = self.slots = self.padding = 0
+        if self.vision_placeholders:
+            facts["cp_vision_placeholder_passes"] = self.vision_placeholders
+        self.forwards = self.slots = self.padding = self.vision_placeholders = 0
         return facts
 
 

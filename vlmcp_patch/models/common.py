@@ -29,6 +29,7 @@ from ..patching import Patch
 from ..settings import SETTINGS
 from ..stats import STATS
 from . import SUPPORTED_CLASSES
+from .vision_placeholder import placeholders_in
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
 
@@ -283,7 +284,8 @@ def cp_top_level_forward(wrapped, instance, args, kwargs):
     starts, problem = _packed_layout(call)
     if cp is None:
         if starts is None and problem is None:
-            return wrapped(*args, **kwargs)  # P=1, not packed: exactly stock
+            with placeholders_in(instance, call):
+                return wrapped(**call)  # P=1, not packed: exactly stock
         cp = SINGLE_RANK  # P=1 packed row: same path, no exchanges
     problem = problem or _check_setup(instance, cp, call) or _check_batch(instance, call)
     agree_on_batch(cp, problem, call)
@@ -305,7 +307,7 @@ def cp_top_level_forward(wrapped, instance, args, kwargs):
     shift_labels = call.pop("shift_labels", None)
     num_items_in_batch = call.pop("num_items_in_batch", None)
     return_dict = call.pop("return_dict", None)
-    with ctx.handed_to_decoder():
+    with placeholders_in(instance, call), ctx.handed_to_decoder():
         out = wrapped(**call, return_dict=True)
 
     fields = dict(out)

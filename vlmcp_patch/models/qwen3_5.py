@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..attention.linear import gated_deltanet_over_cp
 from ..context import CTX_KWARG
 from ..patching import Patch
+from . import vision_placeholder
 from .common import call_arguments, family_patches
 
 FAMILIES = {
@@ -29,6 +30,7 @@ def patches() -> list[Patch]:
     for module, (prefix, tops) in FAMILIES.items():
         path = f"transformers.models.{module}.modeling_{module}"
         out += family_patches(path, tops, f"{prefix}TextModel", TEXT_MODEL_PARAMS)
+        out += vision_placeholder.patches(path, f"{prefix}Model")
         out.append(
             Patch(
                 target=f"{path}.{prefix}GatedDeltaNet.forward",
