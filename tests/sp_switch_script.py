@@ -14,7 +14,7 @@ import sys
 
 import torch
 from accelerate import Accelerator, ParallelismConfig, PartialState
-from accelerate.utils import DeepSpeedPlugin, DistributedType
+from accelerate.utils import DeepSpeedPlugin
 
 import vlmcp_patch
 from vlmcp_patch.testing import build_model, tiny_qwen3_5_config

@@ -61,7 +61,7 @@ def test_revert_restores_the_exact_originals(restore):
 
 def test_every_patch_names_target_and_reason():
     for entry in vlmcp_patch.status():
-        assert entry["target"].split(".")[0] in ("transformers", "accelerate", "deepspeed")
+        assert entry["target"].split(".")[0] in ("transformers", "accelerate", "deepspeed", "trl")
         assert len(entry["reason"]) > 20
 
 

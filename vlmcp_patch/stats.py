@@ -1,4 +1,4 @@
-"""Token counts of the CP forwards (and ZeRO-3 placeholder vision passes), for `VLMCPCallback`'s logs (telemetry only; no forward reads it)."""
+"""Token counts of the CP forwards and ZeRO-3 placeholder vision passes, for `VLMCPCallback`'s logs (telemetry)."""
 
 from __future__ import annotations
 

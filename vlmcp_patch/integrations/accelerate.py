@@ -20,12 +20,12 @@ from ..patching import Patch
 from ..settings import SETTINGS
 
 
-def _cp_training() -> bool:
+def cp_training() -> bool:
     return cp_requested() and dist.is_available() and dist.is_initialized()
 
 
 def cp_prepare_data_loader(wrapped, instance, args, kwargs):
-    if _cp_training():
+    if cp_training():
         kwargs["num_processes"] = data_parallel_world_size()
         kwargs["process_index"] = data_parallel_rank()
     return wrapped(*args, **kwargs)
@@ -33,7 +33,7 @@ def cp_prepare_data_loader(wrapped, instance, args, kwargs):
 
 def cp_backward(wrapped, instance, args, kwargs):
     # DeepSpeed divides by the data-parallel size W/P itself (see integrations/deepspeed.py).
-    if _cp_training() and instance.distributed_type != "DEEPSPEED":
+    if cp_training() and instance.distributed_type != "DEEPSPEED":
         args = list(args)
         if args:
             args[0] = args[0] * SETTINGS.cp_size

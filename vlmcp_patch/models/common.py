@@ -276,22 +276,24 @@ def _prepare_packed_row(model, call: dict, starts: torch.Tensor) -> None:
         call.pop(key, None)  # the context carries the boundaries
 
 
-def cp_top_level_forward(wrapped, instance, args, kwargs):
-    if bypassed():
-        return wrapped(*args, **kwargs)
+def enter_cp_forward(model, call: dict) -> CPContext | None:
+    """Checks, packed-row preparation and the `CPContext` of one forward of `model` (its arguments in `call`,
+    updated in place), or None when the forward runs stock (P=1, not packed).
+
+    The caller runs the stock forward inside `ctx.handed_to_decoder()`: the top-level forward here, TRL's
+    fused LM head (which calls the backbone itself) in integrations/trl.py.
+    """
     cp = active_cp()
-    call = call_arguments(wrapped, args, kwargs)
     starts, problem = _packed_layout(call)
     if cp is None:
         if starts is None and problem is None:
-            with placeholders_in(instance, call):
-                return wrapped(**call)  # P=1, not packed: exactly stock
+            return None  # P=1, not packed: exactly stock
         cp = SINGLE_RANK  # P=1 packed row: same path, no exchanges
-    problem = problem or _check_setup(instance, cp, call) or _check_batch(instance, call)
+    problem = problem or _check_setup(model, cp, call) or _check_batch(model, call)
     agree_on_batch(cp, problem, call)
-    _pin_vision_to_sdpa(instance)
+    _pin_vision_to_sdpa(model)
     if starts is not None:
-        _prepare_packed_row(instance, call, starts)
+        _prepare_packed_row(model, call, starts)
 
     reference = call["input_ids"] if call.get("input_ids") is not None else call["inputs_embeds"]
     ctx = CPContext.create(
@@ -303,6 +305,17 @@ def cp_top_level_forward(wrapped, instance, args, kwargs):
         text_position_ids=text_positions_of(call.get("position_ids")),
     )
     STATS.record(ctx)
+    return ctx
+
+
+def cp_top_level_forward(wrapped, instance, args, kwargs):
+    if bypassed():
+        return wrapped(*args, **kwargs)
+    call = call_arguments(wrapped, args, kwargs)
+    ctx = enter_cp_forward(instance, call)
+    if ctx is None:
+        with placeholders_in(instance, call):
+            return wrapped(**call)
     labels = call.pop("labels", None)
     shift_labels = call.pop("shift_labels", None)
     num_items_in_batch = call.pop("num_items_in_batch", None)

@@ -1,0 +1,110 @@
+"""TRL under CP: its fused LM head, and SFTTrainer's token count.
+
+TRL's trainers score tokens with a fused LM head (`trl.trainer.utils.add_fused_lm_head`): it replaces the
+forward of the model instance, and `model(..., labels=..., fused_lm_head=True)` runs the backbone
+(`model.model`) itself, past the patched top-level forward, then projects and scores the sequence in
+tiles without building the logits. `SFTTrainer.compute_loss` takes its loss, entropy and token accuracy
+from those per-token outputs; it never reads `outputs.logits`.
+
+Under CP that forward is wrapped: the backbone runs as under the top-level forward (checks, vision,
+placement and mRoPE on the full sequence, the decoder on this rank's slice); TRL's head scores this
+rank's slice against the labels shifted on the full sequence (its `shift_labels` path); the per-token
+outputs are gathered over the group, the backward keeping this rank's slice. Every field and the loss are
+the P=1 ones, on every rank. At P=1 a packed row takes the same path (per-sample mRoPE and boundaries).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+from ..context import bypassed
+from ..loss import IGNORE_INDEX, shifted_labels
+from ..models.common import call_arguments, enter_cp_forward
+from ..models.vision_placeholder import placeholders_in
+from ..patching import Patch
+from ..settings import SETTINGS
+from .accelerate import cp_training
+
+# The per-token fields of TRL's `FusedCausalLMOutput`.
+PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+
+
+def cp_fused_lm_head_forward(model, fused, args, kwargs):
+    """TRL's fused-head forward `fused` of `model` under CP (or on a packed row at P=1)."""
+    if not kwargs.get("fused_lm_head") or bypassed():
+        return fused(*args, **kwargs)
+    kwargs = dict(kwargs)
+    labels = kwargs.pop("labels", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    call = call_arguments(fused, args, kwargs)
+    call.pop("fused_lm_head")
+    ctx = enter_cp_forward(model, call)
+    if ctx is None:
+        with placeholders_in(model, call):
+            return fused(**call, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
+                         num_items_in_batch=num_items_in_batch)
+    full = shift_labels if shift_labels is not None else shifted_labels(labels)
+    reference = call["input_ids"] if call.get("input_ids") is not None else call["inputs_embeds"]
+    local = ctx.shard(full.to(reference.device), dim=1, value=IGNORE_INDEX)
+    with placeholders_in(model, call), ctx.handed_to_decoder():  # TRL calls the backbone, its decoder takes ctx
+        out = fused(**call, fused_lm_head=True, shift_labels=local)
+    fields = {}
+    for name in PER_TOKEN_FIELDS:
+        x = getattr(out, name)
+        if x is not None:
+            gathered = ctx.gather(x.to(torch.uint8) if x.dtype == torch.bool else x, dim=1)
+            x = gathered.bool() if x.dtype == torch.bool else gathered
+            # When TRL shifts itself it scores positions 0..S-2 (the last one has no label): the P=1 shape.
+            x = x if shift_labels is not None else x[:, :-1]
+        fields[name] = x
+    count = fields["label_mask"].sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return type(out)(loss=-fields["log_probs"].sum() / count, aux_loss=out.aux_loss, **fields)
+
+
+def cp_add_fused_lm_head(wrapped, instance, args, kwargs):
+    # A plain method, not a proxy: Accelerate's mixed precision rebinds `model.forward.__func__`, which must
+    # be this function and not TRL's behind it.
+    result = wrapped(*args, **kwargs)
+    model = args[0] if args else kwargs["model"]
+    fused = model.forward
+
+    @functools.wraps(fused.__func__)  # the signature TRL copies from the class forward (`generate` checks it)
+    def forward(self, *a, **kw):
+        return cp_fused_lm_head_forward(self, fused, a, kw)
+
+    model.forward = types.MethodType(forward, model)
+    return result
+
+
+def cp_sft_compute_loss(wrapped, instance, args, kwargs):
+    before = instance._total_train_tokens
+    result = wrapped(*args, **kwargs)
+    if cp_training() and instance._total_train_tokens != before:
+        instance._total_train_tokens = before + (instance._total_train_tokens - before) // SETTINGS.cp_size
+        instance._metrics["train"]["num_tokens"] = [instance._total_train_tokens]
+    return result
+
+
+def patches() -> list[Patch]:
+    return [
+        Patch(
+            target="trl.trainer.sft_trainer.add_fused_lm_head",
+            wrapper=cp_add_fused_lm_head,
+            reason="under CP: TRL's fused LM head runs the backbone past the patched top-level forward and scores "
+            "the full sequence; run the backbone under CP, score this rank's slice, gather the per-token outputs",
+            expects=("model", "outputs"),
+            requires="trl",
+        ),
+        Patch(
+            target="trl.trainer.sft_trainer.SFTTrainer.compute_loss",
+            wrapper=cp_sft_compute_loss,
+            reason="under CP: the num_tokens metric sums the batches of all W ranks, and the P ranks of a CP group "
+            "hold the same batch; count it once per group",
+            expects=("model", "inputs", "num_items_in_batch"),
+            requires="trl",
+        ),
+    ]
