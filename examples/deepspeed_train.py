@@ -2,11 +2,14 @@
 
     torchrun --nproc-per-node 1 examples/deepspeed_train.py --deepspeed examples/ds_zero2.json --save-weights p1.pt
     VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 examples/deepspeed_train.py --deepspeed examples/ds_zero2.json
+    VLMCP_CP_SIZE=2 deepspeed --num_gpus 2 examples/deepspeed_train.py --deepspeed examples/ds_zero2.json
 
 DeepSpeed's own data loader (`deepspeed.initialize(training_data=...)`) shards over the W/P
 data-parallel replicas under CP; a sampler of your own can use `vlmcp_patch.data_parallel_rank()` and
 `vlmcp_patch.data_parallel_world_size()`. By default it trains the embedded tiny random-init model on
-synthetic image-text samples (gloo on CPU, NCCL on GPUs).
+synthetic image-text samples (gloo on CPU, NCCL on GPUs); `--model Qwen/Qwen3-VL-2B-Instruct --attn
+flash_attention_2` trains a released checkpoint (bf16 on GPUs; put `"bf16": {"enabled": true}` in the
+config) on conversations with pictures through its processor.
 """
 
 from __future__ import annotations
@@ -22,32 +25,32 @@ import torch
 import vlmcp_patch  # noqa: F401  - the one line that adds context parallelism
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_trainer_sft import TINY, PaddingCollator, synthetic_dataset  # noqa: E402
-
-from vlmcp_patch.testing import build_model  # noqa: E402
+from hf_trainer_sft import TINY, data_collator, load_model, samples  # noqa: E402
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--deepspeed", required=True, help="DeepSpeed config (json)")
-    parser.add_argument("--model", default="tiny-qwen3-vl", help=f"{' | '.join(TINY)}")
+    parser.add_argument("--model", default="tiny-qwen3-vl",
+                        help=f"{' | '.join(TINY)} | a checkpoint, e.g. Qwen/Qwen3-VL-2B-Instruct")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2"])
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--save-weights", help="rank 0 saves the trained (gathered) state dict here")
     parser.add_argument("--save-logs", help="rank 0 saves per-step loss and grad norm here (json)")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args(argv)
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     with open(args.deepspeed) as f:
         config = json.load(f)
-    model = build_model(TINY[args.model](attn_implementation=args.attn), seed=0)
+    model = load_model(args.model, args.attn)
     engine, _, loader, _ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
         config=config,
-        training_data=synthetic_dataset(args.samples),
-        collate_fn=PaddingCollator(),
+        training_data=samples(args.model, args.samples),
+        collate_fn=data_collator(args.model),
     )
     logs, micro_losses = [], []
     batches = iter(loader)

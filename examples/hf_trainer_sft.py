@@ -6,7 +6,15 @@
     VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 examples/hf_trainer_sft.py --save-weights cp2.pt
 
 By default it trains the embedded tiny random-init Qwen3-VL (or `--model tiny-qwen3.5`) on synthetic
-image-text samples, on CPU. Rank 0 prints the logged loss and grad_norm of every step.
+image-text samples, on CPU. On GPUs, a released checkpoint trains on conversations with pictures
+through its own processor:
+
+    VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 examples/hf_trainer_sft.py \
+        --model Qwen/Qwen3-VL-2B-Instruct --attn flash_attention_2 [--deepspeed examples/ds_trainer_zero3.json]
+
+With `--deepspeed`, `--sp-size N` selects CP through Accelerate's own switch instead of VLMCP_CP_SIZE
+(`ParallelismConfig(sp_backend="deepspeed", sp_size=N)`). Rank 0 prints the logged loss and grad_norm
+of every step.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from vlmcp_patch.testing import (
     build_sample,
     collate,
     image_processor,
+    make_image,
     tiny_qwen3_5_config,
     tiny_qwen3_vl_config,
 )
@@ -42,6 +51,68 @@ LAYOUTS = [
 def synthetic_dataset(n: int, seed: int = 0) -> list:
     processor = image_processor()
     return [build_sample(LAYOUTS[i % len(LAYOUTS)], seed=seed + i, processor=processor)[0] for i in range(n)]
+
+
+# Conversations for a released checkpoint: (question, answer, sizes (width, height) of the pictures shown)
+CONVERSATIONS = [
+    ("What is in the picture?", "A blue box on stripes.", [(320, 240)]),
+    ("Compare the two images.", "The left one is wider; both have a box.", [(256, 256), (240, 400)]),
+    ("Say hello.", "Hello! How can I help you today?", []),
+    ("Describe the colors.", "Mostly red with a purple square.", [(256, 512)]),
+]
+
+
+def chat_dataset(n: int, seed: int = 0) -> list:
+    rows = []
+    for i in range(n):
+        question, answer, sizes = CONVERSATIONS[i % len(CONVERSATIONS)]
+        user = [{"type": "image"} for _ in sizes] + [{"type": "text", "text": question}]
+        rows.append({
+            "images": [make_image(w, h, seed=seed + 10 * i + j) for j, (w, h) in enumerate(sizes)],
+            "messages": [{"role": "user", "content": user},
+                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+        })
+    return rows
+
+
+class ChatCollator:
+    """Conversations with pictures through a checkpoint's own processor (chat template, image processor).
+
+    Labels are the tokens themselves with padding ignored (the model shifts them).
+    """
+
+    def __init__(self, processor):
+        self.processor = processor
+
+    def __call__(self, rows):
+        texts = [self.processor.apply_chat_template(row["messages"], tokenize=False) for row in rows]
+        images = [image for row in rows for image in row["images"]] or None
+        batch = dict(self.processor(text=texts, images=images, return_tensors="pt", padding=True))
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        return batch
+
+
+def load_model(name: str, attn: str):
+    """The embedded tiny model, or a released checkpoint (e.g. Qwen/Qwen3-VL-2B-Instruct; bf16 on GPUs)."""
+    if name in TINY:
+        return build_model(TINY[name](attn_implementation=attn), seed=0)
+    from transformers import AutoModelForImageTextToText
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return AutoModelForImageTextToText.from_pretrained(name, attn_implementation=attn, dtype=dtype)
+
+
+def data_collator(name: str):
+    """How samples become batches: synthetic samples for the tiny models, the checkpoint's processor otherwise."""
+    if name in TINY:
+        return PaddingCollator()
+    from transformers import AutoProcessor
+
+    return ChatCollator(AutoProcessor.from_pretrained(name))
+
+
+def samples(name: str, n: int, seed: int = 0) -> list:
+    return synthetic_dataset(n, seed) if name in TINY else chat_dataset(n, seed)
 
 
 class PaddingCollator:
@@ -81,12 +152,14 @@ def full_state_dict(model) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-qwen3-vl", help=f"{' | '.join(TINY)}")
+    parser.add_argument("--model", default="tiny-qwen3-vl",
+                        help=f"{' | '.join(TINY)} | a checkpoint, e.g. Qwen/Qwen3-VL-2B-Instruct")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=2, help="per device")
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (for checkpoints on GPUs)")
     parser.add_argument("--optim", default="adamw_torch", help="any TrainingArguments.optim, e.g. sgd")
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--output-dir", default="out/hf_trainer_sft")
@@ -102,7 +175,7 @@ def main(argv=None) -> None:
     on_cpu = not torch.cuda.is_available()
     if args.deepspeed and on_cpu:
         configure_cpu_deepspeed_state()
-    model = build_model(TINY[args.model](attn_implementation=args.attn), seed=0)
+    model = load_model(args.model, args.attn)
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
@@ -110,6 +183,7 @@ def main(argv=None) -> None:
         gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps,
         learning_rate=args.lr,
+        bf16=args.bf16,
         optim=args.optim,
         lr_scheduler_type="constant",
         logging_steps=1,
@@ -126,9 +200,9 @@ def main(argv=None) -> None:
     trainer = Trainer(
         model=model,
         args=training_args,
-        train_dataset=synthetic_dataset(args.samples),
-        eval_dataset=synthetic_dataset(args.eval_samples, seed=10_000) if args.eval_samples else None,
-        data_collator=PaddingCollator(),
+        train_dataset=samples(args.model, args.samples),
+        eval_dataset=samples(args.model, args.eval_samples, seed=10_000) if args.eval_samples else None,
+        data_collator=data_collator(args.model),
         callbacks=[vlmcp_patch.VLMCPCallback()],  # optional: setup checks and CP facts in the logs
     )
     trainer.train()

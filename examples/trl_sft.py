@@ -9,7 +9,9 @@ The data set is conversational image-text ("messages" + "images", some samples t
 `SFTTrainer` uses its own vision collator (`DataCollatorForVisionLanguageModeling`), which runs the
 processor's chat template and image processor on the fly. Everything is built in code: the embedded tiny
 random-init Qwen3-VL, a character-level tokenizer and the stock Qwen3-VL processor logic around them
-(`vlmcp_patch.tiny_processor`), PIL images. Rank 0 prints the logged loss and metrics of every step.
+(`vlmcp_patch.tiny_processor`), PIL images. On GPUs, `--model Qwen/Qwen3-VL-2B-Instruct --attn
+flash_attention_2 --bf16` fine-tunes a released checkpoint with its own processor on the same data.
+Rank 0 prints the logged loss and metrics of every step.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def image_text_dataset(n: int, seed: int = 0) -> Dataset:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-qwen3-vl", help="tiny-qwen3-vl | a checkpoint, e.g. Qwen/Qwen3-VL-2B-Instruct")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=2, help="per device")
@@ -63,7 +66,15 @@ def main(argv=None) -> None:
     parser.add_argument("--save-logs", help="rank 0 saves the trainer's log history here (json)")
     args = parser.parse_args(argv)
 
-    model = build_model(tiny_qwen3_vl_config(attn_implementation=args.attn), seed=0)
+    if args.model == "tiny-qwen3-vl":
+        model = build_model(tiny_qwen3_vl_config(attn_implementation=args.attn), seed=0)
+        processor = tiny_processor()
+    else:  # a released checkpoint, e.g. Qwen/Qwen3-VL-2B-Instruct (bf16 on GPUs)
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        model = AutoModelForImageTextToText.from_pretrained(args.model, attn_implementation=args.attn, dtype=dtype)
+        processor = AutoProcessor.from_pretrained(args.model)
     config = SFTConfig(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
@@ -84,7 +95,7 @@ def main(argv=None) -> None:
         model=model,
         args=config,
         train_dataset=image_text_dataset(args.samples),
-        processing_class=tiny_processor(),
+        processing_class=processor,
         callbacks=[vlmcp_patch.VLMCPCallback()],  # optional: setup checks and CP facts in the logs
     )
     trainer.train()

@@ -27,12 +27,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "deepspeed_train.py"
 
 
+def torchrun(procs: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port", str(free_port())]
+
+
+def deepspeed_launcher(procs: int) -> list[str]:
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(procs), "--master_port", str(free_port())]
+
+
 @functools.cache
-def launch(model: str, stage: int, procs: int, cp_size: int) -> tuple[dict, list]:
+def launch(model: str, stage: int, procs: int, cp_size: int, launcher=torchrun) -> tuple[dict, list]:
     tmp = Path(tempfile.mkdtemp())
     env = {**os.environ, "VLMCP_CP_SIZE": str(cp_size), "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port", str(free_port()),
+        *launcher(procs),
         str(SCRIPT),
         "--deepspeed", str(ROOT / "examples" / f"ds_zero{stage}.json"), "--model", model,
         "--save-weights", str(tmp / "w.pt"), "--save-logs", str(tmp / "log.json"),
@@ -61,3 +69,11 @@ def test_deepspeed_cp2_equals_p1(model, stage):
 def test_stock_deepspeed_on_two_processes_shards_the_data():
     (w1, _), (wd, _) = launch("tiny-qwen3-vl", 2, 1, 1), launch("tiny-qwen3-vl", 2, 2, 1)
     assert weight_error(wd, w1) > 1e-2
+
+
+def test_deepspeed_launcher_cp2_equals_p1():
+    """The same script under the `deepspeed` launcher (it adds --local_rank; VLMCP_CP_SIZE rides in the env)."""
+    (w1, log1), (w2, log2) = launch("tiny-qwen3.5", 3, 1, 1), launch("tiny-qwen3.5", 3, 2, 2, deepspeed_launcher)
+    assert weight_error(w2, w1) <= 1e-4
+    assert len(log1) == len(log2) == 3
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) for a, b in zip(log1, log2))

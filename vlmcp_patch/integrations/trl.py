@@ -28,6 +28,10 @@ from ..patching import Patch
 from ..settings import SETTINGS
 from .accelerate import cp_training
 
+# Digest of trl 1.16's `add_fused_lm_head` (the forward it installs included): the wrapper relies on that
+# forward's `shift_labels` path and on its per-token output fields; a different digest needs a re-check.
+FUSED_LM_HEAD = "422d009f04b66659"
+
 # The per-token fields of TRL's `FusedCausalLMOutput`.
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 
@@ -97,6 +101,7 @@ def patches() -> list[Patch]:
             reason="under CP: TRL's fused LM head runs the backbone past the patched top-level forward and scores "
             "the full sequence; run the backbone under CP, score this rank's slice, gather the per-token outputs",
             expects=("model", "outputs"),
+            mirrors=FUSED_LM_HEAD,
             requires="trl",
         ),
         Patch(

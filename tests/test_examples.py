@@ -1,0 +1,28 @@
+"""The examples' data path for released checkpoints (conversations through the checkpoint's processor),
+exercised with the stock Qwen3-VL processor logic over the tiny tokenizer: nothing can be downloaded here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from hf_trainer_sft import ChatCollator, chat_dataset  # noqa: E402
+
+from vlmcp_patch.testing import IMAGE_TOKEN_ID, build_model, tiny_qwen3_vl_config  # noqa: E402
+from vlmcp_patch.tiny_processor import tiny_processor  # noqa: E402
+
+
+def test_chat_collator_batches_conversations_the_model_trains_on():
+    rows = chat_dataset(4)
+    batch = ChatCollator(tiny_processor())(rows)
+    merged = 4  # spatial_merge_size ** 2 patches per image token
+    assert int((batch["input_ids"] == IMAGE_TOKEN_ID).sum()) == int(batch["image_grid_thw"].prod(-1).sum()) // merged
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    model = build_model(tiny_qwen3_vl_config(), seed=0)
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
