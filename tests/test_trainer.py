@@ -27,11 +27,19 @@ SCRIPT = ROOT / "examples" / "hf_trainer_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
 
 
-def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str, extra=()) -> tuple[dict, list]:
+def _launcher(procs: int, extra, accelerate_launch: bool) -> list[str]:
+    if accelerate_launch:  # accelerate's launcher (it runs torch.distributed.run underneath)
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port())]
+    if procs == 1 and "--deepspeed" not in extra:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port", str(free_port())]
+
+
+def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str, extra=(), accelerate_launch=False):
     env = {**os.environ, "VLMCP_CP_SIZE": str(cp_size), "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable] if procs == 1 and "--deepspeed" not in extra else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port", str(free_port()),
-    ]
+    launcher = _launcher(procs, extra, accelerate_launch)
     files = ["--save-weights", str(tmp / f"{name}.pt"), "--save-logs", str(tmp / f"{name}.json")]
     cmd = launcher + [str(SCRIPT), "--model", model, "--output-dir", str(tmp / name), *COMMON, *files, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
@@ -42,11 +50,14 @@ def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str, extra=()
 @functools.cache
 def runs(model: str, tmp: str):
     tmp = Path(tmp)
-    return {
+    out = {
         "p1": _launch(tmp, "p1", 1, 1, model),
         "cp2": _launch(tmp, "cp2", 2, 2, model),
         "ddp2": _launch(tmp, "ddp2", 2, 1, model),
     }
+    if model == "tiny-qwen3-vl":
+        out["accelerate-launch"] = _launch(tmp, "acc", 2, 2, model, accelerate_launch=True)
+    return out
 
 
 def weight_error(a: dict, b: dict) -> float:
@@ -56,8 +67,13 @@ def weight_error(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("model", ["tiny-qwen3-vl", "tiny-qwen3.5"])
 def test_trainer_ddp_cp2_equals_p1(model, tmp_path_factory):
     r = runs(model, str(tmp_path_factory.mktemp(model)))
-    (w1, log1), (w2, log2), (wd, _) = r["p1"], r["cp2"], r["ddp2"]
+    (w1, log1), (wd, _) = r["p1"], r["ddp2"]
     assert weight_error(wd, w1) > 1e-2, "stock DDP on two processes did not shard the data"
+    for w2, log2 in [r[name] for name in ("cp2", "accelerate-launch") if name in r]:
+        _check_same_training(w1, log1, w2, log2)
+
+
+def _check_same_training(w1, log1, w2, log2):
     assert weight_error(w2, w1) <= 1e-4
     assert len(log1) == len(log2) == 3  # no evaluation in these runs
     for a, b in zip(log1, log2):
