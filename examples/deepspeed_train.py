@@ -81,3 +81,5 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # a clean exit: no collective thread torn down mid-flight
+        torch.distributed.destroy_process_group()

@@ -71,3 +71,5 @@ def main(mode: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
