@@ -166,6 +166,8 @@ def main(argv=None) -> None:
     parser.add_argument("--save-weights", help="rank 0 saves the trained state dict here (for comparisons)")
     parser.add_argument("--save-logs", help="rank 0 saves the Trainer's log history here (json)")
     parser.add_argument("--eval-samples", type=int, default=0, help="evaluate on this many held-out samples")
+    parser.add_argument("--save-steps", type=int, default=0, help="save a Trainer checkpoint every N steps")
+    parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     parser.add_argument("--deepspeed", help="train with DeepSpeed, this config (e.g. examples/ds_trainer_zero2.json)")
     parser.add_argument("--sp-size", type=int, default=1,
                         help="instead of VLMCP_CP_SIZE: Accelerate's own switch, "
@@ -187,7 +189,8 @@ def main(argv=None) -> None:
         optim=args.optim,
         lr_scheduler_type="constant",
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to=[],
         remove_unused_columns=False,
         use_cpu=on_cpu and not args.deepspeed,
@@ -205,7 +208,7 @@ def main(argv=None) -> None:
         data_collator=data_collator(args.model),
         callbacks=[vlmcp_patch.VLMCPCallback()],  # optional: setup checks and CP facts in the logs
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
     if args.eval_samples:
         trainer.evaluate()
     state = full_state_dict(trainer.model) if args.save_weights else None

@@ -9,6 +9,7 @@ into full +-lr steps.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -158,6 +159,35 @@ def test_trainer_zero3_cp2_dp2_mixed_modality_equals_one_process(tmp_path):
     for a, b in zip(log1, log4):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"])
+
+
+def test_trainer_checkpoints_under_cp_are_stock_and_resume_exactly(tmp_path):
+    """CP=2 saves Trainer checkpoints in the unchanged format (stock `from_pretrained` loads them, and they
+    hold the P=1 weights), and resuming one under CP continues as the uninterrupted P=1 run."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    common = ["--output-dir", str(tmp_path / "cp2"), "--save-steps", "2"]
+    _launch(tmp_path, "cp2-first-two", 2, 2, "tiny-qwen3-vl", [*common, "--steps", "2"])
+    w_resumed, log = _launch(tmp_path, "cp2-resumed", 2, 2, "tiny-qwen3-vl", [*common, "--steps", "3", "--resume"])
+    w1_two, _ = _launch(tmp_path, "p1-two", 1, 1, "tiny-qwen3-vl", ["--steps", "2"])
+    w1_three, log1 = _launch(tmp_path, "p1-three", 1, 1, "tiny-qwen3-vl", ["--steps", "3"])
+    assert [entry["step"] for entry in log] == [1, 2, 3]  # steps 1-2 from the checkpoint's trainer state
+    assert abs(log[2]["loss"] - log1[2]["loss"]) <= 1e-5 * abs(log1[2]["loss"])
+    with vlmcp_disabled_patches():
+        saved = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "cp2" / "checkpoint-2").state_dict()
+    assert weight_error(saved, w1_two) <= 1e-4
+    assert weight_error(w_resumed, w1_three) <= 1e-4
+
+
+@contextlib.contextmanager
+def vlmcp_disabled_patches():
+    import vlmcp_patch
+
+    vlmcp_patch.revert()
+    try:
+        yield
+    finally:
+        vlmcp_patch.apply()
 
 
 def test_callback_rejects_bad_setups_before_training():
