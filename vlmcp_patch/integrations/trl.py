@@ -22,6 +22,7 @@ import torch
 
 from ..context import bypassed
 from ..loss import IGNORE_INDEX, shifted_labels
+from ..models import batch_reference
 from ..models.common import call_arguments, enter_cp_forward
 from ..models.vision_placeholder import placeholders_in
 from ..patching import Patch
@@ -52,7 +53,7 @@ def cp_fused_lm_head_forward(model, fused, args, kwargs):
             return fused(**call, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
                          num_items_in_batch=num_items_in_batch)
     full = shift_labels if shift_labels is not None else shifted_labels(labels)
-    reference = call["input_ids"] if call.get("input_ids") is not None else call["inputs_embeds"]
+    reference = batch_reference(call)
     local = ctx.shard(full.to(reference.device), dim=1, value=IGNORE_INDEX)
     with placeholders_in(model, call), ctx.handed_to_decoder():  # TRL calls the backbone, its decoder takes ctx
         out = fused(**call, fused_lm_head=True, shift_labels=local)

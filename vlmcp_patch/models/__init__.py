@@ -12,3 +12,16 @@ def find_supported_model(model):
         if type(module).__name__ in SUPPORTED_CLASSES:
             return module
     return None
+
+
+def batch_reference(call: dict):
+    """The tensor that fixes a forward's batch shape and device: `input_ids`, else `inputs_embeds` (or None)."""
+    return call["input_ids"] if call.get("input_ids") is not None else call.get("inputs_embeds")
+
+
+def batch_device(call: dict):
+    """Where a forward's batch lives: small control tensors for collectives go there (NCCL takes no CPU ones)."""
+    import torch
+
+    reference = batch_reference(call)
+    return reference.device if reference is not None else torch.device("cpu")

@@ -28,7 +28,7 @@ from ..packing import packed_starts, packed_text_positions, per_sample_mrope, te
 from ..patching import Patch
 from ..settings import SETTINGS
 from ..stats import STATS
-from . import SUPPORTED_CLASSES
+from . import SUPPORTED_CLASSES, batch_device, batch_reference
 from .vision_placeholder import placeholders_in
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
@@ -184,7 +184,9 @@ def agree_on_batch(cp: CPGroup, problem: Problem | None, call: dict) -> None:
         if problem is not None:
             raise problem.error(problem.message)
         return
-    local = torch.tensor([int(problem is not None), *_batch_fingerprint(call)], dtype=torch.long)
+    # On the batch's device: NCCL groups take no CPU tensors.
+    local = torch.tensor([int(problem is not None), *_batch_fingerprint(call)], dtype=torch.long,
+                         device=batch_device(call))
     gathered = all_gather_small(local, cp.group, cp.size)
     if problem is not None:
         raise problem.error(problem.message)
@@ -295,7 +297,7 @@ def enter_cp_forward(model, call: dict) -> CPContext | None:
     if starts is not None:
         _prepare_packed_row(model, call, starts)
 
-    reference = call["input_ids"] if call.get("input_ids") is not None else call["inputs_embeds"]
+    reference = batch_reference(call)
     ctx = CPContext.create(
         cp,
         batch_size=reference.shape[0],

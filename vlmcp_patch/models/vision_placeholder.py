@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..patching import Patch
+from . import batch_device, batch_reference
 from ..stats import STATS
 
 # Modalities ("image", "video") of the running forward that carry a placeholder, not real inputs.
@@ -56,7 +57,7 @@ def missing_modalities(model, call: dict) -> frozenset:
         return frozenset()
     encoded = call.get("mm_encoder_outputs") or {}
     here = [call.get(_INPUTS[m][0]) is not None or encoded.get(m) is not None for m in _INPUTS]
-    anywhere = torch.tensor(here, dtype=torch.int32)
+    anywhere = torch.tensor(here, dtype=torch.int32, device=batch_device(call))
     dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=group)
     return frozenset(m for m, mine, any_rank in zip(_INPUTS, here, anywhere.tolist()) if any_rank and not mine)
 
@@ -68,7 +69,7 @@ def placeholders_in(model, call: dict):
     if not missing:
         yield
         return
-    reference = call["input_ids"] if call.get("input_ids") is not None else call["inputs_embeds"]
+    reference = batch_reference(call)
     for modality in missing:
         pixels_key, grid_key = _INPUTS[modality]
         call[pixels_key], call[grid_key] = _placeholder_inputs(model, reference)
