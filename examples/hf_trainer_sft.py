@@ -189,6 +189,7 @@ def main(argv=None) -> None:
         optim=args.optim,
         lr_scheduler_type="constant",
         logging_steps=1,
+        include_num_input_tokens_seen="non_padding",
         save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500,
         report_to=[],
@@ -213,8 +214,11 @@ def main(argv=None) -> None:
         trainer.evaluate()
     state = full_state_dict(trainer.model) if args.save_weights else None
     if int(os.environ.get("RANK", "0")) == 0:
-        logs = [entry for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry]
+        logs = [entry for entry in trainer.state.log_history
+                if "loss" in entry or "eval_loss" in entry or "train_samples_per_second" in entry]
         for entry in logs:
+            if "train_samples_per_second" in entry:
+                continue  # the run summary
             if "eval_loss" in entry:
                 print(f"eval: loss {entry['eval_loss']:.6f}")
             else:

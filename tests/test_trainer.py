@@ -45,7 +45,14 @@ def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str, extra=()
     cmd = launcher + [str(SCRIPT), "--model", model, "--output-dir", str(tmp / name), *COMMON, *files, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
-    return torch.load(tmp / f"{name}.pt"), json.loads((tmp / f"{name}.json").read_text())
+    steps = [entry for entry in json.loads((tmp / f"{name}.json").read_text()) if "train_samples_per_second" not in entry]
+    return torch.load(tmp / f"{name}.pt"), steps
+
+
+def samples_trained(tmp: Path, name: str) -> float:
+    """Samples in the run summary (samples per second x runtime): the Trainer's count of replicas at work."""
+    summary = next(e for e in json.loads((tmp / f"{name}.json").read_text()) if "train_samples_per_second" in e)
+    return summary["train_samples_per_second"] * summary["train_runtime"]
 
 
 @functools.cache
@@ -67,11 +74,15 @@ def weight_error(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-vl", "tiny-qwen3.5"])
 def test_trainer_ddp_cp2_equals_p1(model, tmp_path_factory):
-    r = runs(model, str(tmp_path_factory.mktemp(model)))
+    tmp = tmp_path_factory.mktemp(model)
+    r = runs(model, str(tmp))
     (w1, log1), (wd, _) = r["p1"], r["ddp2"]
     assert weight_error(wd, w1) > 1e-2, "stock DDP on two processes did not shard the data"
     for w2, log2 in [r[name] for name in ("cp2", "accelerate-launch") if name in r]:
         _check_same_training(w1, log1, w2, log2)
+    # The Trainer's own counts: 3 steps x accumulation 2 x batch 2 samples, and the same tokens, as at P=1.
+    assert round(samples_trained(tmp, "p1")) == round(samples_trained(tmp, "cp2")) == 12
+    assert [e["num_input_tokens_seen"] for e in log1] == [e["num_input_tokens_seen"] for e in r["cp2"][1]]
 
 
 def _check_same_training(w1, log1, w2, log2):

@@ -18,6 +18,7 @@ from .errors import CPInputError, PatchTargetError, UnsupportedSetupError, VLMCP
 from .integrations import accelerate as _accelerate  # noqa: E402
 from .integrations import deepspeed as _deepspeed  # noqa: E402
 from .integrations import sp_switch as _sp_switch  # noqa: E402
+from .integrations import trainer as _trainer  # noqa: E402
 from .integrations import trl as _trl  # noqa: E402
 from .models import common as _common  # noqa: E402
 from .models import qwen3_5 as _qwen3_5  # noqa: E402
@@ -37,6 +38,7 @@ PATCHES.add(
     *_accelerate.patches(),
     *_deepspeed.patches(),
     *_sp_switch.patches(),
+    *_trainer.patches(),
     *_trl.patches(),
 )
 
