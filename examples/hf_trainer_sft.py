@@ -196,7 +196,9 @@ def main(argv=None) -> None:
         remove_unused_columns=False,
         use_cpu=on_cpu and not args.deepspeed,
         deepspeed=args.deepspeed,
-        parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=args.sp_size) if args.sp_size > 1 else None,
+        parallelism_config=(
+            ParallelismConfig(sp_backend="deepspeed", sp_size=args.sp_size) if args.sp_size > 1 else None
+        ),
         accelerator_config={"use_configured_state": True} if args.deepspeed and on_cpu else None,
         dataloader_drop_last=True,
         seed=0,

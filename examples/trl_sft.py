@@ -52,7 +52,8 @@ def image_text_dataset(n: int, seed: int = 0) -> Dataset:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-qwen3-vl", help="tiny-qwen3-vl | a checkpoint, e.g. Qwen/Qwen3-VL-2B-Instruct")
+    parser.add_argument("--model", default="tiny-qwen3-vl",
+                        help="tiny-qwen3-vl | a checkpoint, e.g. Qwen/Qwen3-VL-2B-Instruct")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=2, help="per device")

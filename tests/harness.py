@@ -18,6 +18,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(procs: int) -> list[str]:
+    """The command prefix that launches a script on `procs` local processes with torch.distributed.run."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
+            "--master-port", str(free_port())]
+
+
+def weight_error(a: dict, b: dict) -> float:
+    """Worst relative difference (max |a-b| / max |b|) over the floating-point tensors of two state dicts."""
+    return max(
+        float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b if b[k].is_floating_point()
+    )
+
+
 def _entry(fn, rank, world_size, port, results, args, env):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))

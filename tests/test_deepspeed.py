@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import free_port
+from tests.harness import free_port, torchrun, weight_error
 
 pytest.importorskip("deepspeed")
 
@@ -27,12 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "deepspeed_train.py"
 
 
-def torchrun(procs: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port", str(free_port())]
-
-
 def deepspeed_launcher(procs: int) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(procs), "--master_port", str(free_port())]
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(procs),
+            "--master_port", str(free_port())]
 
 
 @functools.cache
@@ -49,9 +46,6 @@ def launch(model: str, stage: int, procs: int, cp_size: int, launcher=torchrun) 
     assert out.returncode == 0, out.stderr[-4000:]
     return torch.load(tmp / "w.pt"), json.loads((tmp / "log.json").read_text())
 
-
-def weight_error(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b if b[k].is_floating_point())
 
 
 @pytest.mark.parametrize("stage", [2, 3])

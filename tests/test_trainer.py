@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import free_port
+from tests.harness import free_port, torchrun, weight_error
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "hf_trainer_sft.py"
@@ -35,7 +35,7 @@ def _launcher(procs: int, extra, accelerate_launch: bool) -> list[str]:
                 "--main_process_port", str(free_port())]
     if procs == 1 and "--deepspeed" not in extra:
         return [sys.executable]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port", str(free_port())]
+    return torchrun(procs)
 
 
 def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str, extra=(), accelerate_launch=False):
@@ -45,7 +45,8 @@ def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str, extra=()
     cmd = launcher + [str(SCRIPT), "--model", model, "--output-dir", str(tmp / name), *COMMON, *files, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
-    steps = [entry for entry in json.loads((tmp / f"{name}.json").read_text()) if "train_samples_per_second" not in entry]
+    entries = json.loads((tmp / f"{name}.json").read_text())
+    steps = [entry for entry in entries if "train_samples_per_second" not in entry]
     return torch.load(tmp / f"{name}.pt"), steps
 
 
@@ -67,9 +68,6 @@ def runs(model: str, tmp: str):
         out["accelerate-launch"] = _launch(tmp, "acc", 2, 2, model, accelerate_launch=True)
     return out
 
-
-def weight_error(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b if b[k].is_floating_point())
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-vl", "tiny-qwen3.5"])
@@ -202,9 +200,9 @@ def vlmcp_disabled_patches():
 
 
 def test_callback_rejects_bad_setups_before_training():
-    import vlmcp_patch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    import vlmcp_patch
     from vlmcp_patch.testing import build_model, tiny_qwen3_vl_config
 
     vlmcp_patch.enable(cp_size=2)

@@ -23,18 +23,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.harness import torchrun, weight_error
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "trl_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
 
 
 def _launch(tmp: Path, name: str, procs: int, cp_size: int, extra=()) -> tuple[dict, list]:
-    from tests.harness import free_port
-
     env = {**os.environ, "VLMCP_CP_SIZE": str(cp_size), "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable] if procs == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port", str(free_port()),
-    ]
+    launcher = [sys.executable] if procs == 1 else torchrun(procs)
     files = ["--save-weights", str(tmp / f"{name}.pt"), "--save-logs", str(tmp / f"{name}.json")]
     cmd = launcher + [str(SCRIPT), "--output-dir", str(tmp / name), *COMMON, *files, *extra]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
@@ -47,9 +45,6 @@ def runs(tmp: str):
     tmp = Path(tmp)
     return {"p1": _launch(tmp, "p1", 1, 1), "cp2": _launch(tmp, "cp2", 2, 2), "ddp2": _launch(tmp, "ddp2", 2, 1)}
 
-
-def weight_error(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b if b[k].is_floating_point())
 
 
 def test_sft_trainer_cp2_equals_p1(tmp_path_factory):

@@ -99,4 +99,6 @@ class TinyQwen3VLProcessor(Qwen3VLProcessor):
 
 def tiny_processor():
     """The stock Qwen3-VL processor logic over the tiny tokenizer and the real Qwen2-VL PIL image processor."""
-    return TinyQwen3VLProcessor(image_processor=image_processor(), tokenizer=tiny_tokenizer(), chat_template=CHAT_TEMPLATE)
+    return TinyQwen3VLProcessor(
+        image_processor=image_processor(), tokenizer=tiny_tokenizer(), chat_template=CHAT_TEMPLATE
+    )

@@ -22,7 +22,8 @@ def cp_track_num_input_tokens(wrapped, instance, args, kwargs):
     before = instance.state.num_input_tokens_seen
     result = wrapped(*args, **kwargs)
     if cp_training():
-        instance.state.num_input_tokens_seen = before + (instance.state.num_input_tokens_seen - before) // SETTINGS.cp_size
+        counted = instance.state.num_input_tokens_seen - before
+        instance.state.num_input_tokens_seen = before + counted // SETTINGS.cp_size
     return result
 
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..patching import Patch
-from . import batch_device, batch_reference
 from ..stats import STATS
+from . import batch_device, batch_reference
 
 # Modalities ("image", "video") of the running forward that carry a placeholder, not real inputs.
 _PLACEHOLDERS: contextvars.ContextVar[frozenset] = contextvars.ContextVar("vlmcp_vision_placeholders",
