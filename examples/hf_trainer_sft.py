@@ -127,6 +127,14 @@ class PaddingCollator:
         return batch
 
 
+def token_accuracy(eval_pred) -> dict:
+    """`compute_metrics`: next-token accuracy, and how many tokens were scored (each sample counted once)."""
+    logits = eval_pred.predictions[0] if isinstance(eval_pred.predictions, tuple) else eval_pred.predictions
+    predicted, target = logits[:, :-1].argmax(-1), eval_pred.label_ids[:, 1:]
+    scored = target != -100
+    return {"accuracy": float((predicted == target)[scored].mean()), "scored_tokens": int(scored.sum())}
+
+
 def configure_cpu_deepspeed_state() -> None:
     """DeepSpeed on CPU (gloo), set up the way accelerate sets it up on GPUs.
 
@@ -209,6 +217,7 @@ def main(argv=None) -> None:
         train_dataset=samples(args.model, args.samples),
         eval_dataset=samples(args.model, args.eval_samples, seed=10_000) if args.eval_samples else None,
         data_collator=data_collator(args.model),
+        compute_metrics=token_accuracy if args.eval_samples else None,
         callbacks=[vlmcp_patch.VLMCPCallback()],  # optional: setup checks and CP facts in the logs
     )
     trainer.train(resume_from_checkpoint=True if args.resume else None)

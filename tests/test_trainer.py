@@ -96,7 +96,7 @@ def _check_same_training(w1, log1, w2, log2):
 
 def test_trainer_cp2_dp2_trains_and_evaluates_like_p1(tmp_path):
     """Four processes = 2 data-parallel replicas of CP=2, against one process accumulating both replicas'
-    micro-batches: the same global batches, the same steps, the same evaluation loss."""
+    micro-batches: the same global batches, the same steps, the same evaluation loss and metrics."""
     replica = ["--batch-size", "1", "--eval-samples", "12"]
     w1, log1 = _launch(tmp_path, "one", 1, 1, "tiny-qwen3-vl", [*replica, "--grad-accum", "4"])
     w4, log4 = _launch(tmp_path, "four", 4, 2, "tiny-qwen3-vl", [*replica, "--grad-accum", "2"])
@@ -106,9 +106,13 @@ def test_trainer_cp2_dp2_trains_and_evaluates_like_p1(tmp_path):
     for a, b in zip(train1, train4):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"])
-    eval1, eval4 = ([e["eval_loss"] for e in log if "eval_loss" in e] for log in (log1, log4))
+    eval1, eval4 = ([e for e in log if "eval_loss" in e] for log in (log1, log4))
     assert len(eval1) == len(eval4) == 1
-    assert abs(eval1[0] - eval4[0]) <= 1e-5 * abs(eval1[0])
+    assert abs(eval1[0]["eval_loss"] - eval4[0]["eval_loss"]) <= 1e-5 * abs(eval1[0]["eval_loss"])
+    # compute_metrics sees whole rows (full logits) and every sample once (not once per CP rank).
+    assert eval1[0]["eval_scored_tokens"] == eval4[0]["eval_scored_tokens"]
+    one_token = 1 / eval1[0]["eval_scored_tokens"]  # an argmax near a tie may flip with rounding; garbage would not
+    assert abs(eval1[0]["eval_accuracy"] - eval4[0]["eval_accuracy"]) <= one_token
 
 
 def _deepspeed(stage: int) -> list[str]:

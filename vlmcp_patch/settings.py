@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from dataclasses import dataclass
 
@@ -62,3 +64,21 @@ def enable(cp_size: int | None = None, *, gather_logits_with_labels: bool | None
 
 def cp_size() -> int:
     return SETTINGS.cp_size
+
+
+# Set inside callers that need the full logits with labels for one call (the Trainer's prediction step).
+_FULL_LOGITS = contextvars.ContextVar("vlmcp_full_logits", default=False)
+
+
+@contextlib.contextmanager
+def full_logits():
+    """Forwards in this block return gathered (full-sequence) logits even when labels are given."""
+    token = _FULL_LOGITS.set(True)
+    try:
+        yield
+    finally:
+        _FULL_LOGITS.reset(token)
+
+
+def gather_logits_with_labels() -> bool:
+    return SETTINGS.gather_logits_with_labels or _FULL_LOGITS.get()

@@ -12,6 +12,8 @@ Two things change when the ranks of a CP group share each micro-batch:
 
 from __future__ import annotations
 
+import contextvars
+
 import torch.distributed as dist
 
 from ..context import cp_requested
@@ -42,6 +44,34 @@ def cp_backward(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+# Set while `gather_for_metrics` runs: its gather then keeps one copy per CP group.
+_GATHERING_FOR_METRICS = contextvars.ContextVar("vlmcp_gathering_for_metrics", default=False)
+
+
+def _one_copy_per_cp_group(tensor):
+    # gather concatenates the W ranks' equal-size chunks in rank order; CP groups are blocks of P
+    # consecutive ranks holding the same batch: keep the first rank of each block.
+    chunks = tensor.reshape(dist.get_world_size(), -1, *tensor.shape[1:])
+    return chunks[:: SETTINGS.cp_size].reshape(-1, *tensor.shape[1:])
+
+
+def cp_gather_for_metrics(wrapped, instance, args, kwargs):
+    token = _GATHERING_FOR_METRICS.set(cp_training())
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _GATHERING_FOR_METRICS.reset(token)
+
+
+def cp_gather(wrapped, instance, args, kwargs):
+    gathered = wrapped(*args, **kwargs)
+    if not _GATHERING_FOR_METRICS.get():
+        return gathered
+    from accelerate.utils import recursively_apply
+
+    return recursively_apply(_one_copy_per_cp_group, gathered)
+
+
 def patches() -> list[Patch]:
     return [
         Patch(
@@ -58,6 +88,21 @@ def patches() -> list[Patch]:
             reason="under CP: gradients must be summed over the CP group and averaged over replicas, P times the "
             "all-rank average DDP / DeepSpeed compute; scale the backward (not the logged loss) by P",
             expects=("loss",),
+            requires="accelerate",
+        ),
+        Patch(
+            target="accelerate.accelerator.Accelerator.gather_for_metrics",
+            wrapper=cp_gather_for_metrics,
+            reason="under CP: the P ranks of a CP group evaluate the same samples; metrics (eval losses, "
+            "predictions, TRL's token counts) must see each sample once, before the last batch is trimmed",
+            expects=("input_data", "use_gather_object"),
+            requires="accelerate",
+        ),
+        Patch(
+            target="accelerate.accelerator.Accelerator.gather",
+            wrapper=cp_gather,
+            reason="under CP, inside gather_for_metrics only: keep one copy per CP group of what was gathered",
+            expects=("tensor",),
             requires="accelerate",
         ),
     ]

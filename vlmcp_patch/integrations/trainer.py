@@ -1,15 +1,22 @@
-"""The HF Trainer's own bookkeeping under CP: counts that assume every rank is a data-parallel replica.
+"""The HF Trainer's own bookkeeping under CP: counts that assume every rank is a data-parallel replica,
+and the predictions of its evaluation loop.
 
 The P ranks of a CP group train on the same micro-batches, so there are W/P replicas, not W. Two of
 the Trainer's figures count per rank: the total train batch size (behind `train_samples_per_second`
 and the samples count in the run summary) and `num_input_tokens_seen` (a sum over all W ranks). Both
 are put back to the P=1 values; the loss and gradients never depend on them.
+
+With labels, the CP forward returns this rank's slice of the logits; the evaluation loop's predictions
+(`compute_metrics`, `Trainer.predict`) need whole rows, so its prediction step asks for full logits
+whenever it keeps them (`accelerate.gather_for_metrics` then keeps one copy per CP group).
 """
 
 from __future__ import annotations
 
+import inspect
+
 from ..patching import Patch
-from ..settings import SETTINGS
+from ..settings import SETTINGS, full_logits
 from .accelerate import cp_training
 
 
@@ -25,6 +32,14 @@ def cp_track_num_input_tokens(wrapped, instance, args, kwargs):
         counted = instance.state.num_input_tokens_seen - before
         instance.state.num_input_tokens_seen = before + counted // SETTINGS.cp_size
     return result
+
+
+def cp_prediction_step(wrapped, instance, args, kwargs):
+    call = inspect.signature(wrapped).bind(*args, **kwargs).arguments
+    if not cp_training() or call.get("prediction_loss_only"):
+        return wrapped(*args, **kwargs)
+    with full_logits():
+        return wrapped(*args, **kwargs)
 
 
 def patches() -> list[Patch]:
@@ -43,6 +58,14 @@ def patches() -> list[Patch]:
             reason="under CP: num_input_tokens_seen sums the batches of all W ranks, and the P ranks of a CP "
             "group hold the same batch; count it once per group",
             expects=("inputs",),
+            requires="transformers.trainer",
+        ),
+        Patch(
+            target="transformers.trainer.Trainer.prediction_step",
+            wrapper=cp_prediction_step,
+            reason="under CP: the evaluation loop keeps whole-row logits for compute_metrics / predict, while "
+            "the CP forward returns local logits with labels; ask for full logits when they are kept",
+            expects=("model", "inputs", "prediction_loss_only"),
             requires="transformers.trainer",
         ),
     ]

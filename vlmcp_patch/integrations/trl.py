@@ -1,4 +1,5 @@
-"""TRL under CP: its fused LM head, and SFTTrainer's token count.
+"""TRL under CP: its fused LM head. (Its token counts go through `gather_for_metrics`, which keeps one
+copy per CP group: integrations/accelerate.py.)
 
 TRL's trainers score tokens with a fused LM head (`trl.trainer.utils.add_fused_lm_head`): it replaces the
 forward of the model instance, and `model(..., labels=..., fused_lm_head=True)` runs the backbone
@@ -26,8 +27,6 @@ from ..models import batch_reference
 from ..models.common import call_arguments, enter_cp_forward
 from ..models.vision_placeholder import placeholders_in
 from ..patching import Patch
-from ..settings import SETTINGS
-from .accelerate import cp_training
 
 # Digest of trl 1.16's `add_fused_lm_head` (the forward it installs included): the wrapper relies on that
 # forward's `shift_labels` path and on its per-token output fields; a different digest needs a re-check.
@@ -85,15 +84,6 @@ def cp_add_fused_lm_head(wrapped, instance, args, kwargs):
     return result
 
 
-def cp_sft_compute_loss(wrapped, instance, args, kwargs):
-    before = instance._total_train_tokens
-    result = wrapped(*args, **kwargs)
-    if cp_training() and instance._total_train_tokens != before:
-        instance._total_train_tokens = before + (instance._total_train_tokens - before) // SETTINGS.cp_size
-        instance._metrics["train"]["num_tokens"] = [instance._total_train_tokens]
-    return result
-
-
 def patches() -> list[Patch]:
     return [
         Patch(
@@ -103,14 +93,6 @@ def patches() -> list[Patch]:
             "the full sequence; run the backbone under CP, score this rank's slice, gather the per-token outputs",
             expects=("model", "outputs"),
             mirrors=FUSED_LM_HEAD,
-            requires="trl",
-        ),
-        Patch(
-            target="trl.trainer.sft_trainer.SFTTrainer.compute_loss",
-            wrapper=cp_sft_compute_loss,
-            reason="under CP: the num_tokens metric sums the batches of all W ranks, and the P ranks of a CP group "
-            "hold the same batch; count it once per group",
-            expects=("model", "inputs", "num_items_in_batch"),
             requires="trl",
         ),
     ]

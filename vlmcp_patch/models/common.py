@@ -26,7 +26,7 @@ from ..errors import CPInputError, UnsupportedSetupError
 from ..loss import sharded_causal_lm_loss
 from ..packing import packed_starts, packed_text_positions, per_sample_mrope, text_positions_of
 from ..patching import Patch
-from ..settings import SETTINGS
+from ..settings import SETTINGS, gather_logits_with_labels
 from ..stats import STATS
 from . import SUPPORTED_CLASSES, batch_device, batch_reference
 from .vision_placeholder import placeholders_in
@@ -335,7 +335,7 @@ def cp_top_level_forward(wrapped, instance, args, kwargs):
             shift_labels=shift_labels,
             num_items_in_batch=num_items_in_batch,
         )
-        if SETTINGS.gather_logits_with_labels:
+        if gather_logits_with_labels():
             fields["logits"] = ctx.gather(out.logits, dim=1)
     else:
         fields["logits"] = ctx.gather(out.logits, dim=1)
