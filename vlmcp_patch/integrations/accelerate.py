@@ -1,13 +1,15 @@
 """Accelerate (and so the HF Trainer and TRL) under CP.
 
-Two things change when the ranks of a CP group share each micro-batch:
+Three things change when the ranks of a CP group share each micro-batch:
 
 * data: batches are sharded over the W/P data-parallel replicas, not the W ranks, so that the ranks
   of one CP group receive the same micro-batches;
 * gradients: DDP averages over all W ranks, while a CP step needs the sum over each CP group (each
   rank holds its slice's share) and the mean over the replicas — P times DDP's average. The loss is
   scaled by P inside `Accelerator.backward` only, so the loss the Trainer logs stays the P=1 loss.
-  DeepSpeed gets the CP groups instead (integrations/deepspeed.py) and divides by W/P itself.
+  DeepSpeed gets the CP groups instead (integrations/deepspeed.py) and divides by W/P itself;
+* metrics: `gather_for_metrics` collects one copy per replica, not P (the ranks of a group hold the
+  same samples), before it trims the padded last batch.
 """
 
 from __future__ import annotations
