@@ -25,7 +25,7 @@ import torch
 import vlmcp_patch  # noqa: F401  - the one line that adds context parallelism
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_trainer_sft import TINY, data_collator, load_model, samples  # noqa: E402
+from hf_trainer_sft import TINY, data_collator, full_state_dict, load_model, samples  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -66,9 +66,7 @@ def main(argv=None) -> None:
                          "grad_norm": float(engine.get_global_grad_norm())})
             micro_losses = []
 
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=hasattr(params[0], "ds_id")):
-        state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+    state = full_state_dict(engine.module) if args.save_weights else None
     if int(os.environ.get("RANK", "0")) == 0:
         for entry in logs:
             print(f"step {entry['step']}: loss {entry['loss']:.6f} grad_norm {entry['grad_norm']:.6f}")

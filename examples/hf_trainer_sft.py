@@ -20,6 +20,7 @@ of every step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -150,12 +151,13 @@ def configure_cpu_deepspeed_state() -> None:
 def full_state_dict(model) -> dict:
     """The trained weights, gathered from their ZeRO-3 partitions where DeepSpeed holds them (all ranks call)."""
     params = list(model.parameters())
-    if hasattr(params[0], "ds_id"):
+    gathered = contextlib.nullcontext()
+    if hasattr(params[0], "ds_id"):  # ZeRO-3
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(params):
-            return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        gathered = deepspeed.zero.GatheredParameters(params)
+    with gathered:
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def main(argv=None) -> None:
