@@ -14,6 +14,7 @@ Three things change when the ranks of a CP group share each micro-batch:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import torch.distributed as dist
@@ -57,12 +58,19 @@ def _one_copy_per_cp_group(tensor):
     return chunks[:: SETTINGS.cp_size].reshape(-1, *tensor.shape[1:])
 
 
-def cp_gather_for_metrics(wrapped, instance, args, kwargs):
+@contextlib.contextmanager
+def one_copy_per_cp_group():
+    """`Accelerator.gather` inside this block keeps one copy per CP group (when CP is training)."""
     token = _GATHERING_FOR_METRICS.set(cp_training())
     try:
-        return wrapped(*args, **kwargs)
+        yield
     finally:
         _GATHERING_FOR_METRICS.reset(token)
+
+
+def cp_gather_for_metrics(wrapped, instance, args, kwargs):
+    with one_copy_per_cp_group():
+        return wrapped(*args, **kwargs)
 
 
 def cp_gather(wrapped, instance, args, kwargs):
@@ -103,7 +111,8 @@ def patches() -> list[Patch]:
         Patch(
             target="accelerate.accelerator.Accelerator.gather",
             wrapper=cp_gather,
-            reason="under CP, inside gather_for_metrics only: keep one copy per CP group of what was gathered",
+            reason="under CP, inside gather_for_metrics (and the Trainer's token count) only: keep one copy per CP "
+            "group of what was gathered",
             expects=("tensor",),
             requires="accelerate",
         ),

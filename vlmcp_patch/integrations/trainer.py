@@ -17,7 +17,7 @@ import inspect
 
 from ..patching import Patch
 from ..settings import SETTINGS, full_logits
-from .accelerate import cp_training
+from .accelerate import cp_training, one_copy_per_cp_group
 
 
 def cp_total_train_batch_size(wrapped, instance, args, kwargs):
@@ -26,12 +26,9 @@ def cp_total_train_batch_size(wrapped, instance, args, kwargs):
 
 
 def cp_track_num_input_tokens(wrapped, instance, args, kwargs):
-    before = instance.state.num_input_tokens_seen
-    result = wrapped(*args, **kwargs)
-    if cp_training():
-        counted = instance.state.num_input_tokens_seen - before
-        instance.state.num_input_tokens_seen = before + counted // SETTINGS.cp_size
-    return result
+    # Its count is an `accelerator.gather` over all W ranks: gather one copy per CP group instead.
+    with one_copy_per_cp_group():
+        return wrapped(*args, **kwargs)
 
 
 def cp_prediction_step(wrapped, instance, args, kwargs):
