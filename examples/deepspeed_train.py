@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import deepspeed
 import torch
+from example_common import TINY, data_collator, finish_distributed, full_state_dict, load_model, samples
 
 import vlmcp_patch  # noqa: F401  - the one line that adds context parallelism
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_trainer_sft import TINY, data_collator, full_state_dict, load_model, samples  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -79,5 +76,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # a clean exit: no collective thread torn down mid-flight
-        torch.distributed.destroy_process_group()
+    finish_distributed()

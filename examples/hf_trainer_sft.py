@@ -20,144 +20,15 @@ of every step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 
 import torch
 from accelerate import ParallelismConfig
+from example_common import TINY, data_collator, finish_distributed, full_state_dict, load_model, samples, token_accuracy
 from transformers import Trainer, TrainingArguments
 
 import vlmcp_patch  # the one line that adds context parallelism
-from vlmcp_patch.testing import (
-    Segment,
-    build_model,
-    build_sample,
-    collate,
-    image_processor,
-    make_image,
-    tiny_qwen3_5_config,
-    tiny_qwen3_vl_config,
-)
-
-TINY = {"tiny-qwen3-vl": tiny_qwen3_vl_config, "tiny-qwen3.5": tiny_qwen3_5_config}
-LAYOUTS = [
-    [Segment(text=6), Segment(image=(32, 24)), Segment(text=9), Segment(image=(16, 16)), Segment(text=4)],
-    [Segment(text=15)],
-    [Segment(text=3), Segment(image=(16, 32)), Segment(text=8)],
-    [Segment(text=11), Segment(image=(24, 40)), Segment(text=5)],
-]
-
-
-def synthetic_dataset(n: int, seed: int = 0) -> list:
-    processor = image_processor()
-    return [build_sample(LAYOUTS[i % len(LAYOUTS)], seed=seed + i, processor=processor)[0] for i in range(n)]
-
-
-# Conversations for a released checkpoint: (question, answer, sizes (width, height) of the pictures shown)
-CONVERSATIONS = [
-    ("What is in the picture?", "A blue box on stripes.", [(320, 240)]),
-    ("Compare the two images.", "The left one is wider; both have a box.", [(256, 256), (240, 400)]),
-    ("Say hello.", "Hello! How can I help you today?", []),
-    ("Describe the colors.", "Mostly red with a purple square.", [(256, 512)]),
-]
-
-
-def chat_dataset(n: int, seed: int = 0) -> list:
-    rows = []
-    for i in range(n):
-        question, answer, sizes = CONVERSATIONS[i % len(CONVERSATIONS)]
-        user = [{"type": "image"} for _ in sizes] + [{"type": "text", "text": question}]
-        rows.append({
-            "images": [make_image(w, h, seed=seed + 10 * i + j) for j, (w, h) in enumerate(sizes)],
-            "messages": [{"role": "user", "content": user},
-                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
-        })
-    return rows
-
-
-class ChatCollator:
-    """Conversations with pictures through a checkpoint's own processor (chat template, image processor).
-
-    Labels are the tokens themselves with padding ignored (the model shifts them).
-    """
-
-    def __init__(self, processor):
-        self.processor = processor
-
-    def __call__(self, rows):
-        texts = [self.processor.apply_chat_template(row["messages"], tokenize=False) for row in rows]
-        images = [image for row in rows for image in row["images"]] or None
-        batch = dict(self.processor(text=texts, images=images, return_tensors="pt", padding=True))
-        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        return batch
-
-
-def load_model(name: str, attn: str):
-    """The embedded tiny model, or a released checkpoint (e.g. Qwen/Qwen3-VL-2B-Instruct; bf16 on GPUs)."""
-    if name in TINY:
-        return build_model(TINY[name](attn_implementation=attn), seed=0)
-    from transformers import AutoModelForImageTextToText
-
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return AutoModelForImageTextToText.from_pretrained(name, attn_implementation=attn, dtype=dtype)
-
-
-def data_collator(name: str):
-    """How samples become batches: synthetic samples for the tiny models, the checkpoint's processor otherwise."""
-    if name in TINY:
-        return PaddingCollator()
-    from transformers import AutoProcessor
-
-    return ChatCollator(AutoProcessor.from_pretrained(name))
-
-
-def samples(name: str, n: int, seed: int = 0) -> list:
-    return synthetic_dataset(n, seed) if name in TINY else chat_dataset(n, seed)
-
-
-class PaddingCollator:
-    """Right-pads synthetic samples and runs the image processor on their pictures."""
-
-    def __init__(self):
-        self.processor = image_processor()
-
-    def __call__(self, samples):
-        batch = collate(samples, self.processor)
-        batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
-        return batch
-
-
-def token_accuracy(eval_pred) -> dict:
-    """`compute_metrics`: next-token accuracy, and how many tokens were scored (each sample counted once)."""
-    logits = eval_pred.predictions[0] if isinstance(eval_pred.predictions, tuple) else eval_pred.predictions
-    predicted, target = logits[:, :-1].argmax(-1), eval_pred.label_ids[:, 1:]
-    scored = target != -100
-    return {"accuracy": float((predicted == target)[scored].mean()), "scored_tokens": int(scored.sum())}
-
-
-def configure_cpu_deepspeed_state() -> None:
-    """DeepSpeed on CPU (gloo), set up the way accelerate sets it up on GPUs.
-
-    Without this, accelerate treats each CPU process of a DeepSpeed run as an independent job (one
-    process, no data sharding); GPU clusters never need it.
-    """
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
-
-    PartialState(cpu=True, backend="gloo").distributed_type = DistributedType.DEEPSPEED
-
-
-def full_state_dict(model) -> dict:
-    """The trained weights, gathered from their ZeRO-3 partitions where DeepSpeed holds them (all ranks call)."""
-    params = list(model.parameters())
-    gathered = contextlib.nullcontext()
-    if hasattr(params[0], "ds_id"):  # ZeRO-3
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(params)
-    with gathered:
-        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def main(argv=None) -> None:
@@ -185,8 +56,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     on_cpu = not torch.cuda.is_available()
-    if args.deepspeed and on_cpu:
-        configure_cpu_deepspeed_state()
+    if args.deepspeed and on_cpu:  # accelerate would otherwise run DeepSpeed on CPU as plain multi-CPU
+        from vlmcp_patch.fixtures.cpu import configure_cpu_state
+
+        configure_cpu_state("DEEPSPEED")
     model = load_model(args.model, args.attn)
     training_args = TrainingArguments(
         output_dir=args.output_dir,
@@ -245,5 +118,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # a clean exit: no collective thread torn down mid-flight
-        torch.distributed.destroy_process_group()
+    finish_distributed()

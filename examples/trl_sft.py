@@ -9,7 +9,7 @@ The data set is conversational image-text ("messages" + "images", some samples t
 `SFTTrainer` uses its own vision collator (`DataCollatorForVisionLanguageModeling`), which runs the
 processor's chat template and image processor on the fly. Everything is built in code: the embedded tiny
 random-init Qwen3-VL, a character-level tokenizer and the stock Qwen3-VL processor logic around them
-(`vlmcp_patch.tiny_processor`), PIL images. On GPUs, `--model Qwen/Qwen3-VL-2B-Instruct --attn
+(`vlmcp_patch.fixtures.processor`), PIL images. On GPUs, `--model Qwen/Qwen3-VL-2B-Instruct --attn
 flash_attention_2 --bf16` fine-tunes a released checkpoint with its own processor on the same data.
 Rank 0 prints the logged loss and metrics of every step.
 """
@@ -22,11 +22,13 @@ import os
 
 import torch
 from datasets import Dataset
+from example_common import finish_distributed
 from trl import SFTConfig, SFTTrainer
 
 import vlmcp_patch  # the one line that adds context parallelism
-from vlmcp_patch.testing import build_model, make_image, tiny_qwen3_vl_config
-from vlmcp_patch.tiny_processor import tiny_processor
+from vlmcp_patch.fixtures.data import make_image
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+from vlmcp_patch.fixtures.processor import tiny_processor
 
 # (question, answer, sizes (width, height) of the images shown before the question)
 CONVERSATIONS = [
@@ -117,5 +119,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # a clean exit: no collective thread torn down mid-flight
-        torch.distributed.destroy_process_group()
+    finish_distributed()

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from vlmcp_patch.testing import (
-    IMAGE_TOKEN_ID,
-    Segment,
-    build_model,
-    make_batch,
-    tiny_qwen3_5_config,
-    tiny_qwen3_vl_config,
-)
+from vlmcp_patch.fixtures.data import IMAGE_TOKEN_ID, Segment, make_batch
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
 
 S = Segment
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vlmcp_patch.testing import Segment, build_model, make_packed_batch, tiny_qwen3_5_config, tiny_qwen3_vl_config
+from vlmcp_patch.fixtures.data import Segment, make_packed_batch
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
 
 S = Segment
 # One sample with several images, one with an image near its end, one text-only: 48 tokens. The shard

@@ -72,50 +72,61 @@ def _forward_backward(model, batch):
     return out, grads
 
 
+def real_positions(batch: dict, logits: torch.Tensor) -> torch.Tensor:
+    """Logits at real tokens only: padding positions are not computed under CP (they come back as zeros)."""
+    mask = batch.get("attention_mask")
+    return logits if mask is None else logits * mask[..., None].to(logits.dtype)
+
+
+def summed_over_group(grads: dict, group) -> dict:
+    """Each rank holds the gradient of its slice; the CP contract is about their sum over the group."""
+    summed = {}
+    for name, grad in grads.items():
+        total = grad.clone()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        summed[name] = total
+    return summed
+
+
 def compare(model, batch: dict, cp_size: int) -> dict:
     """Run stock (patches reverted) then CP on `model`; return the worst relative errors and counts."""
     import vlmcp_patch
+    from vlmcp_patch.stats import STATS
 
+    no_labels = {k: v for k, v in batch.items() if k != "labels"}
     vlmcp_patch.revert()
     try:
         ref_out, ref_grads = _forward_backward(model, batch)
         with torch.no_grad():
-            ref_logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            ref_logits = model(**no_labels).logits
     finally:
         vlmcp_patch.apply()
 
     vlmcp_patch.enable(cp_size=cp_size)
+    STATS.drain()
     try:
         with ExchangeCounter() as counter:
             out, grads = _forward_backward(model, batch)
         exchanges = counter.calls
+        vision = STATS.drain()
         with torch.no_grad():
-            full_logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            full_logits = model(**no_labels).logits
     finally:
         vlmcp_patch.enable(cp_size=1)
 
     cp = vlmcp_patch.get_cp_group(cp_size)
     per_rank_equal = all(torch.equal(grads.get(n, torch.zeros_like(g)), g) for n, g in ref_grads.items())
-    summed = {}
-    for name, grad in grads.items():
-        total = grad.clone()
-        dist.all_reduce(total, group=cp.group)
-        summed[name] = total
+    summed = summed_over_group(grads, cp.group)
     missing = sorted(set(ref_grads) - set(summed))
     grad_errs, decay_errs = gradient_errors(summed, ref_grads)
     worst_grad = max(grad_errs, key=grad_errs.get)
-
-    # With labels the logits stay local: compare this rank's slice of the reference.
-    seq = batch["input_ids"].shape[1]
-    local = -(-seq // cp_size)
-    start = cp.rank * local
-    ref_slice = ref_out.logits[:, start : min(start + local, seq)]
     return {
         "loss": float(out.loss.detach()),
         "ref_loss": float(ref_out.loss.detach()),
         "loss_err": rel_err(out.loss, ref_out.loss),
-        "local_logits_err": rel_err(out.logits[:, : ref_slice.shape[1]], ref_slice),
-        "logits_err": rel_err(full_logits, ref_logits),
+        "logits_with_labels": out.logits is not None,
+        "logits_err": rel_err(real_positions(batch, full_logits), real_positions(batch, ref_logits)),
         "logits_shape_ok": tuple(full_logits.shape) == tuple(ref_logits.shape),
         "grad_err": grad_errs[worst_grad],
         "worst_grad": worst_grad,
@@ -124,4 +135,6 @@ def compare(model, batch: dict, cp_size: int) -> dict:
         "num_params": len(ref_grads),
         "exchanges": exchanges,
         "per_rank_grads_equal_reference": per_rank_equal,
+        "vision_patches_per_rank": vision.get("cp_vision_patches_per_rank"),
+        "vision_imbalance": vision.get("cp_vision_imbalance"),
     }

@@ -14,7 +14,7 @@ from tests.deltanet_cases import run_layer_cases
 from tests.harness import run_distributed
 from tests.packing_cases import CONFIGS, run_packing_cases
 
-KEYS = ("loss_err", "logits_err", "local_logits_err", "grad_err", "decay_path_grad_err")
+KEYS = ("loss_err", "logits_err", "grad_err", "decay_path_grad_err")
 
 
 def _worst(rows: list[dict]) -> dict:

@@ -9,7 +9,6 @@ training micro-step saw (CP size, the accelerator's SP size, the batch, the loss
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -17,10 +16,10 @@ from accelerate import Accelerator, ParallelismConfig, PartialState
 from accelerate.utils import DeepSpeedPlugin
 
 import vlmcp_patch
-from vlmcp_patch.testing import build_model, tiny_qwen3_5_config
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from hf_trainer_sft import PaddingCollator, configure_cpu_deepspeed_state, synthetic_dataset  # noqa: E402
+from vlmcp_patch.fixtures.cpu import configure_cpu_state
+from vlmcp_patch.fixtures.data import PaddingCollator, synthetic_dataset
 
 
 def qwen3_next():
@@ -36,7 +35,7 @@ def qwen3_next():
 
 
 def main(mode: str, out: str) -> None:
-    configure_cpu_deepspeed_state()
+    configure_cpu_state("DEEPSPEED")
     model = qwen3_next() if mode == "qwen3-next" else build_model(tiny_qwen3_5_config(), seed=0)
     plugin = DeepSpeedPlugin(hf_ds_config={
         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
@@ -72,4 +71,5 @@ def main(mode: str, out: str) -> None:
 if __name__ == "__main__":
     main(*sys.argv[1:])
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank at the end before any tears its connections down
         torch.distributed.destroy_process_group()

@@ -3,17 +3,12 @@ exercised with the stock Qwen3-VL processor logic over the tiny tokenizer: nothi
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from example_common import ChatCollator, chat_dataset  # examples/ is on pytest's pythonpath (pyproject.toml)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-from hf_trainer_sft import ChatCollator, chat_dataset  # noqa: E402
-
-from vlmcp_patch.testing import IMAGE_TOKEN_ID, build_model, tiny_qwen3_vl_config  # noqa: E402
-from vlmcp_patch.tiny_processor import tiny_processor  # noqa: E402
+from vlmcp_patch.fixtures.data import IMAGE_TOKEN_ID
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+from vlmcp_patch.fixtures.processor import tiny_processor
 
 
 def test_chat_collator_batches_conversations_the_model_trains_on():

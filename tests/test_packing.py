@@ -11,13 +11,7 @@ from tests.cases import EXCHANGES
 from tests.harness import run_distributed
 from tests.parity import TOL
 from tests.packing_cases import CONFIGS, run_packing_cases
-from vlmcp_patch.collator import (
-    MultimodalPackingCollator,
-    PackedDataset,
-    pack_into_bins,
-    padding_fraction_packed,
-    padding_fraction_padded,
-)
+from vlmcp_patch.collator import MultimodalPackingCollator, PackedDataset, pack_into_bins
 
 
 
@@ -81,25 +75,43 @@ def test_first_fit_decreasing_respects_the_budget():
     assert len(dataset) == 4 and sum(len(dataset[i]) for i in range(4)) == 7
 
 
-def test_packing_pads_less_than_padded_batches():
-    torch.manual_seed(0)
-    lengths = torch.distributions.LogNormal(7.0, 0.8).sample((512,)).clamp(64, 8192).long().tolist()
-    assert padding_fraction_packed(lengths, 8192) < padding_fraction_padded(lengths, 8)
+def _packed_row():
+    from vlmcp_patch.fixtures.data import Segment, make_packed_batch
 
-
-@pytest.mark.parametrize("break_it", ["cu_seq_lens", "padding", "batch"])
-def test_bad_packed_rows_raise_at_p1(break_it):
-    import vlmcp_patch
-    from vlmcp_patch.testing import Segment, build_model, make_packed_batch, tiny_qwen3_vl_config
-
-    model = build_model(tiny_qwen3_vl_config())
     row, _ = make_packed_batch([[Segment(text=5)], [Segment(text=4), Segment(image=(16, 16))]], return_cu_seq_lens=True)
-    if break_it == "cu_seq_lens":
-        row["cu_seq_lens_q"] = row["cu_seq_lens_k"] = torch.tensor([0, 3, row["input_ids"].shape[1]], dtype=torch.int32)
-    elif break_it == "padding":
+    return row
+
+
+def test_inconsistent_packed_row_raises_at_p1():
+    import vlmcp_patch
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+
+    row = _packed_row()
+    row["cu_seq_lens_q"] = row["cu_seq_lens_k"] = torch.tensor([0, 3, row["input_ids"].shape[1]], dtype=torch.int32)
+    with pytest.raises(vlmcp_patch.CPInputError, match="does not agree with position_ids"):
+        build_model(tiny_qwen3_vl_config())(**row)
+
+
+@pytest.mark.parametrize("variant", ["with_attention_mask", "two_rows"])
+def test_rows_outside_the_packing_convention_run_stock_at_p1(variant):
+    """At P=1 only the documented convention takes the package's path: the same restarting positions with an
+    attention_mask, or on two rows, go to stock transformers untouched (bit-identical)."""
+    import vlmcp_patch
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+
+    row = {k: v for k, v in _packed_row().items() if not k.startswith(("cu_", "max_"))}
+    if variant == "with_attention_mask":
         row["attention_mask"] = torch.ones_like(row["input_ids"])
     else:
         row = {k: torch.cat([v, v]) if k in ("input_ids", "mm_token_type_ids", "labels", "position_ids") else v
-               for k, v in row.items() if not k.startswith(("cu_", "max_"))}
-    with pytest.raises(vlmcp_patch.CPInputError):
-        model(**row)
+               for k, v in row.items()}
+        row["pixel_values"] = torch.cat([row["pixel_values"]] * 2)
+        row["image_grid_thw"] = torch.cat([row["image_grid_thw"]] * 2)
+    model = build_model(tiny_qwen3_vl_config())
+    ours = model(**row)
+    vlmcp_patch.revert()
+    try:
+        stock = model(**row)
+    finally:
+        vlmcp_patch.apply()
+    assert torch.equal(ours.loss, stock.loss) and torch.equal(ours.logits, stock.logits)

@@ -24,7 +24,7 @@ def assert_parity(per_rank: list[dict], family: str, case: str, cp_size: int) ->
         m = res[case]
         where = f"{family} {case}, P={cp_size}, rank {rank}"
         assert m["loss_err"] <= TOL, where
-        assert m["local_logits_err"] <= TOL, where
+        assert not m["logits_with_labels"], where  # the chunked loss builds no logits
         assert m["logits_shape_ok"], where
         assert m["logits_err"] <= TOL, where
         assert m["grad_err"] <= TOL, f"{where}: {m['worst_grad']}"

@@ -207,7 +207,7 @@ def test_callback_rejects_bad_setups_before_training():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     import vlmcp_patch
-    from vlmcp_patch.testing import build_model, tiny_qwen3_vl_config
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
 
     vlmcp_patch.enable(cp_size=2)
     try:

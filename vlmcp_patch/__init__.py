@@ -1,7 +1,8 @@
 """vlmcp-patch: exact context parallelism for Hugging Face Qwen3-VL and Qwen3.5 models.
 
 `import vlmcp_patch` installs the patches (unless `VLMCP_DISABLE=1`); `VLMCP_CP_SIZE=P` (or
-`vlmcp_patch.enable(cp_size=P)`) splits each sequence over blocks of P consecutive ranks.
+`vlmcp_patch.enable(cp_size=P)`) splits each sequence over blocks of P consecutive ranks. With CP off,
+every call goes to stock transformers untouched, except a batch in the documented packed-row convention.
 """
 
 from __future__ import annotations
@@ -10,34 +11,39 @@ from .compat import check_transformers_version
 
 check_transformers_version()
 
+from . import models as _models  # noqa: E402
 from .attention import registry as _attention_registry  # noqa: E402
-from .callback import VLMCPCallback, check_cp_setup  # noqa: E402
-from .context import disabled  # noqa: E402
-from .distributed import data_parallel_rank, data_parallel_world_size, get_cp_group  # noqa: E402
+from .distributed import (  # noqa: E402
+    data_parallel_rank,
+    data_parallel_world_size,
+    disabled,
+    gather_sequence,
+    get_cp_group,
+)
 from .errors import CPInputError, PatchTargetError, UnsupportedSetupError, VLMCPError  # noqa: E402
+from .forward.generate import GENERATE_PATCH  # noqa: E402
 from .integrations import accelerate as _accelerate  # noqa: E402
 from .integrations import deepspeed as _deepspeed  # noqa: E402
-from .integrations import sp_switch as _sp_switch  # noqa: E402
+from .integrations import parallelism_config as _parallelism_config  # noqa: E402
 from .integrations import trainer as _trainer  # noqa: E402
 from .integrations import trl as _trl  # noqa: E402
-from .models import common as _common  # noqa: E402
-from .models import qwen3_5 as _qwen3_5  # noqa: E402
-from .models import qwen3_vl as _qwen3_vl  # noqa: E402
+from .integrations import vision_placeholder as _vision_placeholder  # noqa: E402
+from .integrations.setup import check_cp_setup  # noqa: E402
 from .patching import PatchSet  # noqa: E402
-from .public import gather_sequence  # noqa: E402
 from .settings import SETTINGS, cp_size, enable, env_flag  # noqa: E402
+from .supported import supported_class_names  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 PATCHES = PatchSet()
 PATCHES.add(
-    _common.GENERATE_PATCH,
+    GENERATE_PATCH,
     *_attention_registry.patches(),
-    *_qwen3_vl.patches(),
-    *_qwen3_5.patches(),
+    *_models.patches(),
+    *_vision_placeholder.patches(),
     *_accelerate.patches(),
     *_deepspeed.patches(),
-    *_sp_switch.patches(),
+    *_parallelism_config.patches(),
     *_trainer.patches(),
     *_trl.patches(),
 )
@@ -46,16 +52,30 @@ PATCHES.add(
 def apply() -> None:
     """Install every patch (a no-op when they are installed). Raises `PatchTargetError` on drift."""
     PATCHES.apply()
+    SETTINGS.active = True
 
 
 def revert() -> None:
-    """Restore the exact original objects (transformers, and accelerate / deepspeed where patched)."""
+    """Restore the exact original objects (transformers, and accelerate / deepspeed / trl where patched);
+    every helper then reports P=1."""
     PATCHES.revert()
+    SETTINGS.active = False
 
 
 def status() -> list[dict]:
-    """One entry per declared patch: its dotted target, why it exists, and whether it is installed."""
+    """One entry per declared patch: its dotted target, why it exists, whether it is installed, the optional
+    package it needs, and for a patch that re-implements or rescales upstream code the pinned source digest
+    and the version range it was checked on."""
     return PATCHES.status()
+
+
+def __getattr__(name: str):
+    # The callback subclasses transformers' TrainerCallback, whose import pulls in accelerate: load it on use.
+    if name == "VLMCPCallback":
+        from .callback import VLMCPCallback
+
+        return VLMCPCallback
+    raise AttributeError(f"module 'vlmcp_patch' has no attribute {name!r}")
 
 
 if not env_flag("VLMCP_DISABLE"):
@@ -79,4 +99,5 @@ __all__ = [
     "get_cp_group",
     "revert",
     "status",
+    "supported_class_names",
 ]

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-IGNORE_INDEX = -100
+from .loss import IGNORE_INDEX
+
 _VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
@@ -100,15 +101,3 @@ class MultimodalPackingCollator:
             cu = lengths.cumsum(0).to(torch.int32)
             batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(lengths.max()), max_length_k=int(lengths.max()))
         return batch
-
-
-def padding_fraction_padded(lengths: Sequence[int], batch_size: int) -> float:
-    """Share of padding tokens when consecutive samples are batched and padded to the longest."""
-    padded = sum(max(lengths[i : i + batch_size]) * len(lengths[i : i + batch_size]) for i in range(0, len(lengths), batch_size))
-    return 1 - sum(lengths) / padded
-
-
-def padding_fraction_packed(lengths: Sequence[int], max_tokens: int) -> float:
-    """Share of the token budget left empty when samples are packed into rows of `max_tokens`."""
-    bins = pack_into_bins(lengths, max_tokens)
-    return 1 - sum(lengths) / (len(bins) * max_tokens)

@@ -76,31 +76,6 @@ def gather_keep_local_grad(x: torch.Tensor, dim: int, group, size: int, rank: in
     return _GatherKeepLocalGrad.apply(x, dim, group, size, rank)
 
 
-class _GatherReduceScatterGrad(torch.autograd.Function):
-    """All-gather along `dim`; backward sums the gradient over the group and keeps this rank's slice.
-
-    For a tensor that every rank uses *differently* after the gather (e.g. each rank reads the columns
-    of its own heads): the gradient for this rank's slice is spread over all ranks and must be summed.
-    """
-
-    @staticmethod
-    def forward(ctx, x, dim, group, size, rank):
-        ctx.dim, ctx.group, ctx.size, ctx.rank = dim, group, size, rank
-        return _all_gather_cat(x, dim, group, size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None, None
-
-
-def gather_reduce_scatter_grad(x: torch.Tensor, dim: int, group, size: int, rank: int) -> torch.Tensor:
-    if size == 1:
-        return x
-    return _GatherReduceScatterGrad.apply(x, dim, group, size, rank)
-
-
 class _SumKeepLocalGrad(torch.autograd.Function):
     """All-reduce (sum) whose backward is the identity.
 
@@ -123,6 +98,40 @@ def sum_keep_local_grad(x: torch.Tensor, group, size: int) -> torch.Tensor:
     if size == 1:
         return x
     return _SumKeepLocalGrad.apply(x, group)
+
+
+class _GatherSumGrad(torch.autograd.Function):
+    """All-gather of per-rank blocks along `dim` whose lengths may differ (`counts`, known on every rank);
+    the result is the blocks in rank order. Backward sums the gradient over the group and keeps this
+    rank's block (a reduce-scatter).
+
+    For a tensor that every rank uses *differently* after the gather (each rank reads the columns of its
+    own heads; each rank places the vision features of its own sequence slice): the gradient of this
+    rank's block is spread over all ranks and must be summed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, counts, group, rank):
+        ctx.dim, ctx.counts, ctx.group, ctx.rank = dim, counts, group, rank
+        missing = max(counts) - x.shape[dim]
+        padded = torch.cat([x, x.new_zeros(*x.shape[:dim], missing, *x.shape[dim + 1 :])], dim) if missing else x
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, counts)], dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        start = sum(ctx.counts[: ctx.rank])
+        return grad.narrow(ctx.dim, start, ctx.counts[ctx.rank]).contiguous(), None, None, None, None
+
+
+def gather_sum_grad(x: torch.Tensor, dim: int, counts: list[int], group, rank: int) -> torch.Tensor:
+    """See `_GatherSumGrad`; `counts[r]` is the length of rank r's block along `dim`."""
+    if len(counts) == 1:
+        return x
+    return _GatherSumGrad.apply(x, dim, counts, group, rank)
 
 
 def all_gather_small(values: torch.Tensor, group, size: int) -> torch.Tensor:

@@ -1,82 +1,79 @@
 """The explicit state of one CP forward.
 
-A `CPContext` is created by the patched top-level forward for one batch. It knows the CP group, how
-the sequence is padded and cut into per-rank slices, where samples start and end (padding mask or
-packed boundaries) and counts the exchanges it performs. It reaches the decoder through a
-`contextvars` hand-off and then travels down the decoder layers as the `vlmcp_ctx` keyword argument,
-so that gradient-checkpointing recomputation sees the same state as the forward did.
+Under CP every batch runs as one packed row of its real tokens: the samples of a packed row, or the rows
+of an ordinary batch back to back with their padding dropped. A `CPContext` knows that row (its
+samples, and where its tokens sit in the caller's batch), the CP group, and how the row is padded to a
+multiple of the CP size and cut into per-rank slices. The top-level forward makes it current for the
+duration of the stock forward (`ctx.running()`); the vision tower reads it there, the text decoder takes
+it once and hands it down the layers as the `vlmcp_ctx` keyword argument, so that gradient-checkpointing
+recomputation sees the same state as the forward did.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .collectives import gather_keep_local_grad
 from .distributed import CPGroup
-from .settings import SETTINGS
+from .layout import Segment, cu_seqlens_of, round_up, shard_slice
 
 CTX_KWARG = "vlmcp_ctx"
 
-# Set by the top-level forward, consumed by the decoder forward it calls.
-_PENDING: contextvars.ContextVar[CPContext | None] = contextvars.ContextVar("vlmcp_pending", default=None)
-_BYPASS: contextvars.ContextVar[bool] = contextvars.ContextVar("vlmcp_bypass", default=False)
+_RUNNING: contextvars.ContextVar[CPContext | None] = contextvars.ContextVar("vlmcp_running_forward", default=None)
 
 
-def sample_starts(text_position_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean (B, S): True where a packed sample starts, i.e. the position does not continue by +1."""
-    starts = torch.diff(text_position_ids, dim=-1) != 1
-    return torch.cat([torch.ones_like(starts[:, :1]), starts], dim=-1)
+@dataclass
+class RowLayout:
+    """Where the tokens of the packed row sit in the caller's (batch, width) layout: `index` holds their flat
+    positions in row-major order (padding left out)."""
+
+    batch: int
+    width: int
+    index: torch.Tensor
+
+    @classmethod
+    def of_mask(cls, mask: torch.Tensor) -> RowLayout:
+        return cls(batch=mask.shape[0], width=mask.shape[1], index=mask.reshape(-1).nonzero().flatten())
+
+    def lengths(self) -> list[int]:
+        counts = torch.bincount(self.index // self.width, minlength=self.batch)
+        return counts.tolist()
+
+    def to_row(self, x: torch.Tensor, batch_dim: int = 0) -> torch.Tensor:
+        """(..., batch, width, ...) -> (..., 1, tokens, ...): the real tokens back to back."""
+        flat = x.flatten(batch_dim, batch_dim + 1)
+        return flat.index_select(batch_dim, self.index.to(x.device)).unsqueeze(batch_dim)
+
+    def to_caller(self, x: torch.Tensor, batch_dim: int = 0, fill=0) -> torch.Tensor:
+        """(..., 1, tokens, ...) -> (..., batch, width, ...), padding positions set to `fill`."""
+        row = x.squeeze(batch_dim)
+        shape = [*row.shape[:batch_dim], self.batch * self.width, *row.shape[batch_dim + 1 :]]
+        out = row.new_full(shape, fill).index_copy(batch_dim, self.index.to(x.device), row)
+        return out.unflatten(batch_dim, (self.batch, self.width))
 
 
 @dataclass
 class CPContext:
+    """One CP forward: its group, the samples of its packed row and where they came from."""
+
     cp: CPGroup
-    batch_size: int
-    seq_len: int
-    # (B, padded_len) bool, True for real tokens; only when the batch carries padding.
-    padding_mask: torch.Tensor | None = None
-    # Packed samples of a single row, over the padded length: (start, end) pairs and cu_seqlens.
-    segments: list[tuple[int, int]] | None = None
-    cu_seqlens: torch.Tensor | None = None
-    exchanges: Counter = field(default_factory=Counter)
+    segments: list[Segment]  # samples of the packed row (real tokens, back to back)
+    rows: RowLayout | None = None  # the caller's batch, when it was not already the row
+    last_hidden_state: torch.Tensor | None = None  # this rank's slice of the decoder output, set by the decoder
+    decoder_entered: bool = False
 
-    @classmethod
-    def create(
-        cls,
-        cp: CPGroup,
-        batch_size: int,
-        seq_len: int,
-        device: torch.device,
-        attention_mask: torch.Tensor | None = None,
-        text_position_ids: torch.Tensor | None = None,
-    ) -> CPContext:
-        ctx = cls(cp=cp, batch_size=batch_size, seq_len=seq_len)
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            ctx.padding_mask = F.pad(attention_mask.bool(), (0, ctx.pad_len), value=False)
-        elif text_position_ids is not None and attention_mask is None:
-            starts = sample_starts(text_position_ids.expand(batch_size, -1))
-            if bool(starts[:, 1:].any()):
-                ctx._set_segments(starts[0])
-        return ctx
-
-    def _set_segments(self, starts: torch.Tensor) -> None:
-        bounds = starts.nonzero().flatten().tolist() + [self.seq_len]
-        segments = list(zip(bounds[:-1], bounds[1:]))
-        if self.pad_len:
-            segments.append((self.seq_len, self.padded_len))
-        self.segments = segments
-        edges = [0] + [end for _, end in segments]
-        self.cu_seqlens = torch.tensor(edges, dtype=torch.int32, device=starts.device)
+    @property
+    def seq_len(self) -> int:
+        return self.segments[-1][1]
 
     @property
     def padded_len(self) -> int:
-        return -(-self.seq_len // self.cp.size) * self.cp.size
+        return round_up(self.seq_len, self.cp.size)
 
     @property
     def pad_len(self) -> int:
@@ -88,19 +85,20 @@ class CPContext:
 
     @property
     def local_slice(self) -> slice:
-        start = self.cp.rank * self.local_len
-        return slice(start, start + self.local_len)
+        return shard_slice(self.seq_len, self.cp.size, self.cp.rank)
 
     @property
-    def real_segments(self) -> list[tuple[int, int]] | None:
-        """The packed samples without the CP pad tail."""
-        if self.segments is None:
-            return None
-        return [(a, b) for a, b in self.segments if b <= self.seq_len]
+    def attention_segments(self) -> list[Segment]:
+        """The samples plus the CP pad tail as a segment of its own: kernels see the whole padded length,
+        and the pad tokens attend only to each other."""
+        return self.segments + ([(self.seq_len, self.padded_len)] if self.pad_len else [])
 
     @property
     def max_segment_len(self) -> int:
-        return max(end - start for start, end in self.segments)
+        return max(b - a for a, b in self.attention_segments)
+
+    def cu_seqlens(self, device) -> torch.Tensor:
+        return torch.tensor(cu_seqlens_of(self.attention_segments), dtype=torch.int32, device=device)
 
     def pad(self, x: torch.Tensor, dim: int, value=0) -> torch.Tensor:
         """Pad the sequence dimension `dim` of a full-length tensor up to a multiple of the CP size."""
@@ -112,50 +110,36 @@ class CPContext:
 
     def shard(self, x: torch.Tensor, dim: int, value=0) -> torch.Tensor:
         """This rank's contiguous slice of a full-length tensor (padded first)."""
-        index = [slice(None)] * x.ndim
-        index[dim] = self.local_slice
-        return self.pad(x, dim, value)[tuple(index)]
+        return self.pad(x, dim, value).narrow(dim, self.local_slice.start, self.local_len)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The full-length tensor from every rank's slice, padding removed (see `gather_keep_local_grad`)."""
         full = gather_keep_local_grad(x, dim, self.cp.group, self.cp.size, self.cp.rank)
         return full.narrow(dim, 0, self.seq_len)
 
+    def to_caller(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        """A full-row tensor (1, tokens, ...) in the caller's batch layout (batch, width, ...)."""
+        return x if self.rows is None else self.rows.to_caller(x, fill=fill)
+
     @contextlib.contextmanager
-    def handed_to_decoder(self):
-        token = _PENDING.set(self)
+    def running(self):
+        """Make this the current CP forward for the stock forward run inside the block."""
+        token = _RUNNING.set(self)
         try:
             yield self
         finally:
-            _PENDING.reset(token)
+            _RUNNING.reset(token)
 
 
-def take_pending() -> CPContext | None:
-    """The context handed over by the top-level forward, once: a second decoder call does not see it."""
-    ctx = _PENDING.get()
-    if ctx is not None:
-        _PENDING.set(None)
+def current_cp_forward() -> CPContext | None:
+    """The CP forward running now (the vision tower reads it), or None."""
+    return _RUNNING.get()
+
+
+def take_for_decoder() -> CPContext | None:
+    """The running CP forward, once: the text decoder takes it; a second decoder call does not see it."""
+    ctx = _RUNNING.get()
+    if ctx is None or ctx.decoder_entered:
+        return None
+    ctx.decoder_entered = True
     return ctx
-
-
-def bypassed() -> bool:
-    """Inside `vlmcp_patch.disabled()`."""
-    return _BYPASS.get()
-
-
-def cp_requested() -> bool:
-    """CP is configured (size > 1) and not bypassed by `vlmcp_patch.disabled()`."""
-    return SETTINGS.cp_size > 1 and not _BYPASS.get()
-
-
-@contextlib.contextmanager
-def disabled():
-    """Run the forwards inside this block without CP (each rank computes the full sequence alone).
-
-    Use it for `generate()`, evaluation on a single rank, or debugging.
-    """
-    token = _BYPASS.set(True)
-    try:
-        yield
-    finally:
-        _BYPASS.reset(token)

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import vlmcp_patch
-from vlmcp_patch.testing import Segment, build_model, make_batch, tiny_qwen3_vl_config
+from vlmcp_patch.fixtures.data import Segment, make_batch
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
 
 
 def synthetic_batches(steps: int, seed: int):

@@ -1,15 +1,24 @@
-"""CP process groups: blocks of `P` consecutive ranks, created lazily once torch.distributed is up."""
+"""CP process groups (blocks of `P` consecutive ranks, created lazily once torch.distributed is up), the
+data-parallel view of the world (W/P replicas), and `gather_sequence`.
+
+While the package is reverted or disabled (`VLMCP_DISABLE=1`) every helper here reports P=1.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
+from .collectives import gather_keep_local_grad
 from .errors import UnsupportedSetupError
-from .settings import SETTINGS
+from .flags import BYPASS, scoped
+from .settings import cp_size
 
 _GROUPS: dict[tuple[int, int], object] = {}
+_WORLD_GROUP: dict[int, object] = {}
 
 
 @dataclass(frozen=True)
@@ -25,8 +34,12 @@ class CPGroup:
 SINGLE_RANK = CPGroup(group=None, rank=0, size=1)
 
 
+def distributed_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _check_world(size: int) -> int:
-    if not dist.is_available() or not dist.is_initialized():
+    if not distributed_ready():
         raise UnsupportedSetupError(
             f"VLMCP_CP_SIZE={size} needs torch.distributed: launch with torchrun / accelerate / deepspeed "
             "(or call torch.distributed.init_process_group) before the first forward, or set VLMCP_CP_SIZE=1."
@@ -57,15 +70,36 @@ def _group_for(size: int):
 
 
 def get_cp_group(size: int | None = None) -> CPGroup | None:
-    """This rank's CP group for `size` (default: the configured CP size); None when CP is off."""
-    size = SETTINGS.cp_size if size is None else size
+    """This rank's CP group for `size` (default: the CP size in effect); None when that size is 1."""
+    size = cp_size() if size is None else size
     if size == 1:
         return None
-    group = _group_for(size)
-    return CPGroup(group=group, rank=dist.get_rank() % size, size=size)
+    return CPGroup(group=_group_for(size), rank=dist.get_rank() % size, size=size)
 
 
-_WORLD_GROUP: dict[int, object] = {}
+def cp_requested() -> bool:
+    """CP is in effect for the next forward: size > 1, the package applied, not inside `disabled()`."""
+    return cp_size() > 1 and not BYPASS.get()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the forwards inside this block without CP (each rank computes the full sequence alone).
+
+    Use it for evaluation or generation on a single rank, or for debugging; `generate()` does it itself.
+    """
+    with scoped(BYPASS, True):
+        yield
+
+
+def active_cp_group() -> CPGroup | None:
+    """The CP group of the next forward, or None when it runs without CP."""
+    return get_cp_group() if cp_requested() else None
+
+
+def cp_running() -> bool:
+    """CP is requested and torch.distributed is up: the training integrations act."""
+    return cp_requested() and distributed_ready()
 
 
 def world_group():
@@ -78,17 +112,32 @@ def world_group():
 
 def data_parallel_world_size() -> int:
     """Number of data-parallel replicas: world size / CP size (1 without torch.distributed)."""
-    if not dist.is_available() or not dist.is_initialized():
+    if not distributed_ready():
         return 1
-    if SETTINGS.cp_size == 1:
-        return dist.get_world_size()
-    return _check_world(SETTINGS.cp_size) // SETTINGS.cp_size
+    size = cp_size()
+    return dist.get_world_size() if size == 1 else _check_world(size) // size
 
 
 def data_parallel_rank() -> int:
     """Index of this rank's CP group among the data-parallel replicas (ranks of one group share it)."""
-    if not dist.is_available() or not dist.is_initialized():
+    if not distributed_ready():
         return 0
-    if SETTINGS.cp_size > 1:
-        _check_world(SETTINGS.cp_size)
-    return dist.get_rank() // SETTINGS.cp_size
+    size = cp_size()
+    if size > 1:
+        _check_world(size)
+    return dist.get_rank() // size
+
+
+def gather_sequence(tensor: torch.Tensor, dim: int = 1, length: int | None = None) -> torch.Tensor:
+    """Gather a sequence-sharded tensor (e.g. a hidden state of this rank's slice) over the CP group.
+
+    Each rank holds a contiguous slice of the sequence padded to a multiple of the CP size; the result
+    is the concatenation in rank order, cut to `length` when given. Backward keeps each rank's own slice
+    of the gradient: call it on every rank and compute the same thing from the result, as with the loss.
+    With CP off it returns `tensor`.
+    """
+    cp = get_cp_group()
+    if cp is None:
+        return tensor
+    full = gather_keep_local_grad(tensor, dim, cp.group, cp.size, cp.rank)
+    return full if length is None else full.narrow(dim, 0, length)

@@ -68,8 +68,9 @@ class Patch:
     """Wrap the function at `target` with a wrapt wrapper `wrapper(wrapped, instance, args, kwargs)`.
 
     `expects` lists parameters the target's signature must have; `mirrors` pins the digest of the
-    upstream source when the replacement re-implements it (see `source_digest`); `requires` names an
-    optional package: when it is not installed the patch is skipped, not an error.
+    upstream source when the replacement re-implements or rescales it (see `source_digest`), and
+    `checked_on` declares the version range that source was checked on; `requires` names an optional
+    package: when it is not installed the patch is skipped, not an error.
     """
 
     target: str
@@ -77,6 +78,7 @@ class Patch:
     reason: str
     expects: tuple[str, ...] = ()
     mirrors: str | None = None
+    checked_on: str | None = None
     requires: str | None = None
 
     def check(self) -> None:
@@ -165,10 +167,6 @@ class PatchSet:
     def add(self, *patches) -> None:
         self.patches.extend(patches)
 
-    @property
-    def applied(self) -> bool:
-        return self._active
-
     def _install(self, patches: list) -> None:
         for patch in patches:  # check everything before changing anything
             patch.check()
@@ -206,4 +204,14 @@ class PatchSet:
         self._active = False
 
     def status(self) -> list[dict]:
-        return [{"target": p.target, "reason": p.reason, "applied": p.target in self._undo} for p in self.patches]
+        return [
+            {
+                "target": p.target,
+                "reason": p.reason,
+                "applied": p.target in self._undo,
+                "requires": getattr(p, "requires", None),
+                "mirrors": getattr(p, "mirrors", None),
+                "checked_on": getattr(p, "checked_on", None),
+            }
+            for p in self.patches
+        ]

@@ -1,84 +1,106 @@
-"""User-facing configuration: the CP size and output options.
+"""User-facing configuration, read from the environment at import and changed at run time by `enable()`.
 
-`VLMCP_CP_SIZE` (default 1) is read when the package is imported; `enable()` overrides it at run time.
+| variable | `enable()` keyword | default | meaning |
+|---|---|---|---|
+| `VLMCP_CP_SIZE` | `cp_size` | 1 | ranks per CP group (1: CP off) |
+| `VLMCP_GATHER_LOGITS` | `gather_logits_with_labels` | off | forwards with labels also return the full logits |
+| `VLMCP_VISION_DP` | `vision_dp` | on | under CP, each rank encodes only its share of the images |
+| `VLMCP_MATCH_VISION_PASSES` | `match_vision_passes` | CP only | placeholder vision passes keep data-parallel replicas matched |
+| `VLMCP_LOSS_CHUNK` | `loss_chunk_tokens` | auto | tokens per chunk of the chunked LM head + loss under CP |
+| `VLMCP_DISABLE` | (`revert()`) | off | nothing is patched; every helper reports P=1 |
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import dataclasses
 import os
 from dataclasses import dataclass
 
 from .errors import UnsupportedSetupError
 
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
-def _env_int(name: str, default: int) -> int:
+
+def env_int(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
         return int(raw)
     except ValueError:
-        raise UnsupportedSetupError(f"{name}={raw!r} is not an integer; set it to the CP size, e.g. {name}=2") from None
+        raise UnsupportedSetupError(f"{name}={raw!r} is not an integer; e.g. {name}=2") from None
 
 
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+def env_flag(name: str, default: bool | None = False) -> bool | None:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise UnsupportedSetupError(f"{name}={raw!r}: use 1 / 0 (or true / false)")
 
 
 @dataclass
 class Settings:
     cp_size: int = 1
-    # With labels, logits stay sharded (each rank holds its slice) unless this is set.
     gather_logits_with_labels: bool = False
+    vision_dp: bool = True
+    # None: placeholder vision passes under CP only; True: at P=1 too; False: never.
+    match_vision_passes: bool | None = None
+    loss_chunk_tokens: int = 0  # 0: sized automatically (one chunk's fp32 logits ~ the slice's hidden states)
+    # Whether the package's patches are installed; off (VLMCP_DISABLE=1, revert()) every helper reports P=1.
+    active: bool = False
 
     def validate(self) -> None:
-        if not isinstance(self.cp_size, int) or self.cp_size < 1:
+        if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
             raise UnsupportedSetupError(f"cp_size must be a positive integer, got {self.cp_size!r}")
+        if not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 0:
+            raise UnsupportedSetupError(f"loss_chunk_tokens must be a non-negative integer, got {self.loss_chunk_tokens!r}")
 
 
-SETTINGS = Settings(
-    cp_size=_env_int("VLMCP_CP_SIZE", 1),
-    gather_logits_with_labels=env_flag("VLMCP_GATHER_LOGITS"),
-)
-SETTINGS.validate()
+def _from_environment() -> Settings:
+    settings = Settings(
+        cp_size=env_int("VLMCP_CP_SIZE", 1),
+        gather_logits_with_labels=env_flag("VLMCP_GATHER_LOGITS"),
+        vision_dp=env_flag("VLMCP_VISION_DP", True),
+        match_vision_passes=env_flag("VLMCP_MATCH_VISION_PASSES", None),
+        loss_chunk_tokens=env_int("VLMCP_LOSS_CHUNK", 0),
+    )
+    settings.validate()
+    return settings
 
 
-def enable(cp_size: int | None = None, *, gather_logits_with_labels: bool | None = None) -> Settings:
-    """Set the CP size (and output options) for every following forward.
+SETTINGS = _from_environment()
+
+
+def enable(
+    cp_size: int | None = None,
+    *,
+    gather_logits_with_labels: bool | None = None,
+    vision_dp: bool | None = None,
+    match_vision_passes: bool | None = None,
+    loss_chunk_tokens: int | None = None,
+) -> Settings:
+    """Change the settings for every following forward; arguments left out keep their value.
 
     `cp_size=1` turns CP off: the patched models then behave exactly like stock transformers.
     """
-    new = Settings(
-        cp_size=SETTINGS.cp_size if cp_size is None else cp_size,
-        gather_logits_with_labels=(
-            SETTINGS.gather_logits_with_labels if gather_logits_with_labels is None else gather_logits_with_labels
-        ),
-    )
+    given = {
+        "cp_size": cp_size,
+        "gather_logits_with_labels": gather_logits_with_labels,
+        "vision_dp": vision_dp,
+        "match_vision_passes": match_vision_passes,
+        "loss_chunk_tokens": loss_chunk_tokens,
+    }
+    new = dataclasses.replace(SETTINGS, **{k: v for k, v in given.items() if v is not None})
     new.validate()
-    SETTINGS.cp_size = new.cp_size
-    SETTINGS.gather_logits_with_labels = new.gather_logits_with_labels
+    for f in dataclasses.fields(Settings):
+        setattr(SETTINGS, f.name, getattr(new, f.name))
     return SETTINGS
 
 
 def cp_size() -> int:
-    return SETTINGS.cp_size
-
-
-# Set inside callers that need the full logits with labels for one call (the Trainer's prediction step).
-_FULL_LOGITS = contextvars.ContextVar("vlmcp_full_logits", default=False)
-
-
-@contextlib.contextmanager
-def full_logits():
-    """Forwards in this block return gathered (full-sequence) logits even when labels are given."""
-    token = _FULL_LOGITS.set(True)
-    try:
-        yield
-    finally:
-        _FULL_LOGITS.reset(token)
-
-
-def gather_logits_with_labels() -> bool:
-    return SETTINGS.gather_logits_with_labels or _FULL_LOGITS.get()
+    """The CP size in effect: the configured one while the package is applied, 1 when it is off."""
+    return SETTINGS.cp_size if SETTINGS.active else 1

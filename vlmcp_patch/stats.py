@@ -1,4 +1,4 @@
-"""Token counts of the CP forwards and ZeRO-3 placeholder vision passes, for `VLMCPCallback`'s logs (telemetry)."""
+"""Token and vision-patch counts of the CP forwards, for `VLMCPCallback`'s logs (telemetry: no forward reads it)."""
 
 from __future__ import annotations
 
@@ -9,30 +9,43 @@ from .context import CPContext
 
 @dataclass
 class LayoutStats:
-    """Token counts of the CP forwards since the last log (telemetry only; no forward reads it)."""
+    """Counts of the CP forwards since the last log."""
 
     forwards: int = 0
-    slots: int = 0  # token slots per rank (batch x local slice), padding included
-    padding: int = 0
-    vision_placeholders: int = 0  # ZeRO-3 placeholder vision passes (models/vision_placeholder.py)
+    slots: int = 0  # token slots of this rank's slices
+    padding: int = 0  # of which CP padding (the row padded to a multiple of P)
+    vision_passes: int = 0
+    vision_patches: int = 0  # patches this rank encoded
+    vision_busiest: int = 0  # patches of the busiest rank of each pass, summed
+    vision_total: int = 0  # patches of all ranks, summed
+    vision_ranks: int = 1
+    vision_placeholders: int = 0  # placeholder vision passes across replicas (integrations/vision_placeholder.py)
 
     def record(self, ctx: CPContext) -> None:
-        slots = ctx.batch_size * ctx.local_len
-        if ctx.padding_mask is not None:
-            real = int(ctx.padding_mask[:, ctx.local_slice].sum())
-        else:
-            real = ctx.batch_size * max(0, min(ctx.seq_len - ctx.local_slice.start, ctx.local_len))
+        real = max(0, min(ctx.seq_len - ctx.local_slice.start, ctx.local_len))
         self.forwards += 1
-        self.slots += slots
-        self.padding += slots - real
+        self.slots += ctx.local_len
+        self.padding += ctx.local_len - real
+
+    def record_vision(self, patches_per_rank: list[int], rank: int) -> None:
+        self.vision_passes += 1
+        self.vision_patches += patches_per_rank[rank]
+        self.vision_busiest += max(patches_per_rank)
+        self.vision_total += sum(patches_per_rank)
+        self.vision_ranks = len(patches_per_rank)
 
     def drain(self) -> dict:
         facts = {}
         if self.forwards:
             facts = {"cp_tokens_per_rank": self.slots / self.forwards, "cp_padding": self.padding / self.slots}
+        if self.vision_passes:
+            facts["cp_vision_patches_per_rank"] = self.vision_patches / self.vision_passes
+            # busiest rank against a perfect split (1.0 = balanced)
+            facts["cp_vision_imbalance"] = self.vision_busiest * self.vision_ranks / max(1, self.vision_total)
         if self.vision_placeholders:
             facts["cp_vision_placeholder_passes"] = self.vision_placeholders
-        self.forwards = self.slots = self.padding = self.vision_placeholders = 0
+        fresh = LayoutStats()
+        self.__dict__.update(fresh.__dict__)
         return facts
 
 

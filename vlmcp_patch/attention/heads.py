@@ -1,19 +1,27 @@
-"""How attention heads are divided over the CP ranks."""
+"""How attention heads are divided over the CP ranks, and the tensor axes the exchanges work on."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..errors import UnsupportedSetupError
+from ..layout import kv_replication_factor
+
+
+class Axes(NamedTuple):
+    seq: int
+    heads: int
+
+
+BHSD = Axes(seq=2, heads=1)  # q/k/v handed to transformers' attention functions: (batch, heads, seq, dim)
+BSHD = Axes(seq=1, heads=2)  # attention outputs and the DeltaNet tensors: (batch, seq, heads, dim)
 
 
 def kv_replication(
     num_heads: int, num_kv_heads: int, cp_size: int, what: str = "attention", names: tuple[str, str] = ("query", "KV")
 ) -> int:
-    """Factor by which key/value heads are repeated so each rank gets whole KV heads for its query heads.
-
-    Rank r receives query heads [r*H/P, (r+1)*H/P). With G = H/Hkv query heads per KV head, repeating
-    each KV head k times (k dividing G) keeps the grouping exact; we need Hkv*k divisible by P. The
-    smallest such k is used (1 when Hkv is already a multiple of P).
-    """
+    """Factor by which key/value heads are repeated so each rank gets whole KV heads for its query heads
+    (see `layout.kv_replication_factor`); raises `UnsupportedSetupError` when the query heads do not split."""
     heads, kv_heads = names
     if num_heads % cp_size:
         raise UnsupportedSetupError(
@@ -22,11 +30,4 @@ def kv_replication(
         )
     if num_heads % num_kv_heads:
         raise UnsupportedSetupError(f"{what}: {num_heads} {heads} heads are not a multiple of {num_kv_heads} {kv_heads} heads")
-    group = num_heads // num_kv_heads
-    for k in range(1, group + 1):
-        if group % k == 0 and (num_kv_heads * k) % cp_size == 0:
-            return k
-    raise UnsupportedSetupError(
-        f"{what}: {num_kv_heads} {kv_heads} heads ({num_heads} {heads} heads) cannot be divided over CP size {cp_size} "
-        "even with replication; choose a CP size that divides the number of query heads."
-    )
+    return kv_replication_factor(num_heads, num_kv_heads, cp_size)

@@ -17,11 +17,12 @@ from collections.abc import Callable
 import torch
 
 from ..collectives import all_to_all
-from ..context import CTX_KWARG, CPContext, cp_requested
+from ..context import CTX_KWARG, CPContext
+from ..distributed import cp_requested
 from ..errors import UnsupportedSetupError
-from .heads import kv_replication
-
-HEADS, SEQ = 1, 2  # layout of q/k/v given to attention functions: (batch, heads, seq, head_dim)
+from ..settings import cp_size
+from ..supported import unsupported_model_message
+from .heads import BHSD, BSHD, kv_replication
 
 # Keyword arguments that describe the *local* sequence; under CP the global ones replace them.
 _LOCAL_SEQUENCE_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -39,48 +40,39 @@ class _LocalHeads:
 
 
 def _sdpa_global(original, module, q, k, v, ctx: CPContext, kwargs):
-    if ctx.segments is not None:
-        # One causal call per packed sample: no (S x S) mask is ever built.
-        outs = [
-            original(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, **{**kwargs, "is_causal": True})[0]
-            for a, b in ctx.segments
-        ]
-        return torch.cat(outs, dim=1)
-    mask = None
-    if ctx.padding_mask is not None:
-        n = ctx.padded_len
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        mask = causal[None, None] & ctx.padding_mask[:, None, None, :].to(q.device)
-    return original(module, q, k, v, mask, **kwargs)[0]
+    # One causal call per sample of the row: no (S x S) mask is ever built.
+    outs = [
+        original(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, **{**kwargs, "is_causal": True})[0]
+        for a, b in ctx.attention_segments
+    ]
+    return torch.cat(outs, dim=BSHD.seq)
 
 
 def _flash_global(original, module, q, k, v, ctx: CPContext, kwargs):
-    if ctx.segments is not None:
-        cu = ctx.cu_seqlens.to(q.device)
-        longest = ctx.max_segment_len
-        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        return original(module, q, k, v, None, **kwargs)[0]
-    mask = None if ctx.padding_mask is None else ctx.padding_mask.to(device=q.device, dtype=torch.int32)
-    return original(module, q, k, v, mask, **kwargs)[0]
+    cu = ctx.cu_seqlens(q.device)
+    longest = ctx.max_segment_len
+    kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return original(module, q, k, v, None, **kwargs)[0]
 
 
 _GLOBAL_CALL = {"sdpa": _sdpa_global, "flash": _flash_global}
 
 
 def attention_over_cp(original, flavor: str, module, query, key, value, ctx: CPContext, kwargs) -> torch.Tensor:
+    """Attention of this rank's slice: q/k/v (B, H, S/P, D) for all heads -> the whole row for H/P heads ->
+    the stock kernel with the row's sample boundaries -> output (B, S/P, H, D) for all heads again."""
     group, size = ctx.cp.group, ctx.cp.size
-    num_heads, num_kv = query.shape[HEADS], key.shape[HEADS]
+    num_heads, num_kv = query.shape[BHSD.heads], key.shape[BHSD.heads]
     repeat = kv_replication(num_heads, num_kv, size, what=type(module).__name__)
     if repeat > 1:
-        key = key.repeat_interleave(repeat, dim=HEADS)
-        value = value.repeat_interleave(repeat, dim=HEADS)
-    q, k, v = (all_to_all(t, HEADS, SEQ, group, size) for t in (query, key, value))
-    local = _LocalHeads(module, q.shape[HEADS] // k.shape[HEADS])
+        key = key.repeat_interleave(repeat, dim=BHSD.heads)
+        value = value.repeat_interleave(repeat, dim=BHSD.heads)
+    q, k, v = (all_to_all(t, BHSD.heads, BHSD.seq, group, size) for t in (query, key, value))
+    local = _LocalHeads(module, q.shape[BHSD.heads] // k.shape[BHSD.heads])
     for name in _LOCAL_SEQUENCE_KWARGS:
         kwargs.pop(name, None)
     out = _GLOBAL_CALL[flavor](original, local, q, k, v, ctx, kwargs)  # (B, S, H/P, D)
-    ctx.exchanges["attention"] += 4
-    return all_to_all(out, 1, 2, group, size)  # (B, S/P, H, D)
+    return all_to_all(out, BSHD.seq, BSHD.heads, group, size)  # (B, S/P, H, D)
 
 
 def ulysses_attention(original: Callable, flavor: str) -> Callable:
@@ -92,9 +84,8 @@ def ulysses_attention(original: Callable, flavor: str) -> Callable:
             if getattr(module, "is_causal", False) and cp_requested():
                 # A causal decoder that did not come through a patched top-level forward would
                 # silently run the whole sequence on every rank.
-                from ..models.common import unsupported_model_message
-
-                raise UnsupportedSetupError(unsupported_model_message(f"{type(module).__name__} (a decoder attention)"))
+                what = f"{type(module).__name__} (a decoder attention)"
+                raise UnsupportedSetupError(unsupported_model_message(what, cp_size()))
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         if args:
             raise TypeError("vlmcp_patch: attention functions are called with keyword arguments after the mask")

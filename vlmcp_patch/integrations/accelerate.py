@@ -1,12 +1,14 @@
 """Accelerate (and so the HF Trainer and TRL) under CP.
 
-Three things change when the ranks of a CP group share each micro-batch:
+Four things change when the ranks of a CP group share each micro-batch:
 
+* setup: a model prepared under CP must be one the package runs under CP — anything else would train
+  on P copies of each batch with P times the gradient — so `prepare` checks it before the first step;
 * data: batches are sharded over the W/P data-parallel replicas, not the W ranks, so that the ranks
   of one CP group receive the same micro-batches;
-* gradients: DDP averages over all W ranks, while a CP step needs the sum over each CP group (each
-  rank holds its slice's share) and the mean over the replicas — P times DDP's average. The loss is
-  scaled by P inside `Accelerator.backward` only, so the loss the Trainer logs stays the P=1 loss.
+* gradients: DDP and FSDP average over all W ranks, while a CP step needs the sum over each CP group
+  (each rank holds its slice's share) and the mean over the replicas — P times their average. The loss
+  is scaled by P inside `Accelerator.backward` only, so the loss the Trainer logs stays the P=1 loss.
   DeepSpeed gets the CP groups instead (integrations/deepspeed.py) and divides by W/P itself;
 * metrics: `gather_for_metrics` collects one copy per replica, not P (the ranks of a group hold the
   same samples), before it trims the padded last batch.
@@ -14,23 +16,23 @@ Three things change when the ranks of a CP group share each micro-batch:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import torch.distributed as dist
 
-from ..context import cp_requested
-from ..distributed import data_parallel_rank, data_parallel_world_size
+from ..distributed import cp_running, data_parallel_rank, data_parallel_world_size
+from ..flags import ONE_COPY_PER_CP_GROUP, scoped
 from ..patching import Patch
-from ..settings import SETTINGS
+from ..settings import cp_size
+from .setup import check_cp_setup
 
 
-def cp_training() -> bool:
-    return cp_requested() and dist.is_available() and dist.is_initialized()
+def cp_prepare_model(wrapped, instance, args, kwargs):
+    if cp_running():
+        check_cp_setup(args[0] if args else kwargs["model"])
+    return wrapped(*args, **kwargs)
 
 
 def cp_prepare_data_loader(wrapped, instance, args, kwargs):
-    if cp_training():
+    if cp_running():
         kwargs["num_processes"] = data_parallel_world_size()
         kwargs["process_index"] = data_parallel_rank()
     return wrapped(*args, **kwargs)
@@ -38,52 +40,46 @@ def cp_prepare_data_loader(wrapped, instance, args, kwargs):
 
 def cp_backward(wrapped, instance, args, kwargs):
     # DeepSpeed divides by the data-parallel size W/P itself (see integrations/deepspeed.py).
-    if cp_training() and instance.distributed_type != "DEEPSPEED":
+    if cp_running() and instance.distributed_type != "DEEPSPEED":
         args = list(args)
         if args:
-            args[0] = args[0] * SETTINGS.cp_size
+            args[0] = args[0] * cp_size()
         else:
-            kwargs["loss"] = kwargs["loss"] * SETTINGS.cp_size
+            kwargs["loss"] = kwargs["loss"] * cp_size()
     return wrapped(*args, **kwargs)
 
 
-# Set while `gather_for_metrics` runs: its gather then keeps one copy per CP group.
-_GATHERING_FOR_METRICS = contextvars.ContextVar("vlmcp_gathering_for_metrics", default=False)
-
-
-def _one_copy_per_cp_group(tensor):
+def one_copy_per_cp_group(tensor):
     # gather concatenates the W ranks' equal-size chunks in rank order; CP groups are blocks of P
     # consecutive ranks holding the same batch: keep the first rank of each block.
     chunks = tensor.reshape(dist.get_world_size(), -1, *tensor.shape[1:])
-    return chunks[:: SETTINGS.cp_size].reshape(-1, *tensor.shape[1:])
-
-
-@contextlib.contextmanager
-def one_copy_per_cp_group():
-    """`Accelerator.gather` inside this block keeps one copy per CP group (when CP is training)."""
-    token = _GATHERING_FOR_METRICS.set(cp_training())
-    try:
-        yield
-    finally:
-        _GATHERING_FOR_METRICS.reset(token)
+    return chunks[:: cp_size()].reshape(-1, *tensor.shape[1:])
 
 
 def cp_gather_for_metrics(wrapped, instance, args, kwargs):
-    with one_copy_per_cp_group():
+    with scoped(ONE_COPY_PER_CP_GROUP, cp_running()):
         return wrapped(*args, **kwargs)
 
 
 def cp_gather(wrapped, instance, args, kwargs):
     gathered = wrapped(*args, **kwargs)
-    if not _GATHERING_FOR_METRICS.get():
+    if not ONE_COPY_PER_CP_GROUP.get():
         return gathered
     from accelerate.utils import recursively_apply
 
-    return recursively_apply(_one_copy_per_cp_group, gathered)
+    return recursively_apply(one_copy_per_cp_group, gathered)
 
 
 def patches() -> list[Patch]:
     return [
+        Patch(
+            target="accelerate.accelerator.Accelerator.prepare_model",
+            wrapper=cp_prepare_model,
+            reason="under CP: only a model that runs CP may be prepared (the data sharding and the backward scale "
+            "below assume it); check it, its configuration and the launch before the first step",
+            expects=("model",),
+            requires="accelerate",
+        ),
         Patch(
             target="accelerate.accelerator.prepare_data_loader",
             wrapper=cp_prepare_data_loader,
@@ -96,7 +92,7 @@ def patches() -> list[Patch]:
             target="accelerate.accelerator.Accelerator.backward",
             wrapper=cp_backward,
             reason="under CP: gradients must be summed over the CP group and averaged over replicas, P times the "
-            "all-rank average DDP / DeepSpeed compute; scale the backward (not the logged loss) by P",
+            "all-rank average DDP / FSDP compute; scale the backward (not the logged loss) by P",
             expects=("loss",),
             requires="accelerate",
         ),

@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..context import cp_requested
-from ..distributed import data_parallel_rank, data_parallel_world_size, get_cp_group, world_group
+from ..distributed import cp_requested, data_parallel_rank, data_parallel_world_size, get_cp_group, world_group
+from ..flags import BATCH_SIZED_BY_ACCELERATE
+from ..forward.arguments import call_arguments
 from ..patching import Patch
-from .sp_switch import preparing_for_accelerate
+from .setup import check_cp_setup
+
+# Digest of DeepSpeed 0.19's `DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`, which averages over all
+# W ranks and ignores the sequence-parallel size; the patch multiplies by P on that assumption. If DeepSpeed
+# starts scaling for sequence parallelism there itself, the digest changes and the patch refuses to install
+# (gradients would otherwise silently be P times too large).
+ZERO3_AVG_SCATTER_GRADS = "89aab0f80f1a80b3"
 
 
 class CPParallelState:
@@ -71,8 +78,9 @@ def cp_deepspeed_initialize(wrapped, instance, args, kwargs):
             import deepspeed
 
             deepspeed.init_distributed()
+        check_cp_setup(call_arguments(wrapped, args, kwargs).get("model"))
         kwargs["mpu"] = CPParallelState()
-        if preparing_for_accelerate():
+        if BATCH_SIZED_BY_ACCELERATE.get():
             _size_batch_for_replicas(kwargs.get("config_params", kwargs.get("config")))
     return wrapped(*args, **kwargs)
 
@@ -95,6 +103,8 @@ def patches() -> list[Patch]:
             reason="under CP: ZeRO-3's reduce-scatter averages gradients over all W ranks, ignoring the "
             "sequence-parallel size its other reduction paths divide by; multiply by P so it sums over CP",
             expects=("params_to_reduce", "communication_data_type"),
+            mirrors=ZERO3_AVG_SCATTER_GRADS,
+            checked_on="deepspeed>=0.19,<0.20",
             requires="deepspeed",
         ),
         Patch(

@@ -6,41 +6,60 @@ the Trainer's figures count per rank: the total train batch size (behind `train_
 and the samples count in the run summary) and `num_input_tokens_seen` (a sum over all W ranks). Both
 are put back to the P=1 values; the loss and gradients never depend on them.
 
-With labels, the CP forward returns this rank's slice of the logits; the evaluation loop's predictions
-(`compute_metrics`, `Trainer.predict`) need whole rows, so its prediction step asks for full logits
-whenever it keeps them (`accelerate.gather_for_metrics` then keeps one copy per CP group).
+With labels, the CP forward computes the loss without materializing logits; the evaluation loop's
+predictions (`compute_metrics`, `Trainer.predict`) need whole rows, so its prediction step asks for full
+logits whenever it keeps them (`accelerate.gather_for_metrics` then keeps one copy per CP group).
 """
 
 from __future__ import annotations
 
 import inspect
 
+from ..distributed import cp_running
+from ..flags import FULL_LOGITS, ONE_COPY_PER_CP_GROUP, scoped
 from ..patching import Patch
-from ..settings import SETTINGS, full_logits
-from .accelerate import cp_training, one_copy_per_cp_group
+from ..settings import cp_size
+from .parallelism_config import take_over_sequence_parallelism
+from .setup import check_cp_setup
+
+
+def cp_create_accelerator(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    take_over_sequence_parallelism(instance.accelerator, instance.model)
+    check_cp_setup(instance.model)
+    return result
 
 
 def cp_total_train_batch_size(wrapped, instance, args, kwargs):
     total = wrapped(*args, **kwargs)
-    return total // SETTINGS.cp_size if cp_training() else total
+    return total // cp_size() if cp_running() else total
 
 
 def cp_track_num_input_tokens(wrapped, instance, args, kwargs):
     # Its count is an `accelerator.gather` over all W ranks: gather one copy per CP group instead.
-    with one_copy_per_cp_group():
+    with scoped(ONE_COPY_PER_CP_GROUP, cp_running()):
         return wrapped(*args, **kwargs)
 
 
 def cp_prediction_step(wrapped, instance, args, kwargs):
     call = inspect.signature(wrapped).bind(*args, **kwargs).arguments
-    if not cp_training() or call.get("prediction_loss_only"):
+    if not cp_running() or call.get("prediction_loss_only"):
         return wrapped(*args, **kwargs)
-    with full_logits():
+    with scoped(FULL_LOGITS, True):
         return wrapped(*args, **kwargs)
 
 
 def patches() -> list[Patch]:
     return [
+        Patch(
+            target="transformers.trainer.Trainer.create_accelerator_and_postprocess",
+            wrapper=cp_create_accelerator,
+            reason="as soon as the Trainer's accelerator exists (before its data loaders are prepared): route "
+            "Accelerate's ParallelismConfig to CP for supported models, and under CP refuse a model that does not "
+            "run CP before the first step",
+            expects=(),
+            requires="transformers.trainer",  # installed when the Trainer is imported, not by vlmcp_patch
+        ),
         Patch(
             target="transformers.trainer.Trainer.get_total_train_batch_size",
             wrapper=cp_total_train_batch_size,

@@ -21,11 +21,10 @@ import types
 
 import torch
 
-from ..context import bypassed
-from ..loss import IGNORE_INDEX, shifted_labels
-from ..models import batch_reference
-from ..models.common import call_arguments, enter_cp_forward
-from ..models.vision_placeholder import placeholders_in
+from ..flags import BYPASS
+from ..forward.arguments import call_arguments
+from ..forward.top_level import enter_cp_forward
+from ..loss import IGNORE_INDEX
 from ..patching import Patch
 
 # Digest of trl 1.16's `add_fused_lm_head` (the forward it installs included): the wrapper relies on that
@@ -36,34 +35,33 @@ FUSED_LM_HEAD = "422d009f04b66659"
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 
 
+def _gathered_to_caller(ctx, x: torch.Tensor) -> torch.Tensor:
+    flag = x.dtype == torch.bool
+    full = ctx.to_caller(ctx.gather(x.to(torch.uint8) if flag else x, dim=1))
+    return full.bool() if flag else full
+
+
 def cp_fused_lm_head_forward(model, fused, args, kwargs):
     """TRL's fused-head forward `fused` of `model` under CP (or on a packed row at P=1)."""
-    if not kwargs.get("fused_lm_head") or bypassed():
+    if not kwargs.get("fused_lm_head") or BYPASS.get():
         return fused(*args, **kwargs)
-    kwargs = dict(kwargs)
-    labels = kwargs.pop("labels", None)
-    shift_labels = kwargs.pop("shift_labels", None)
-    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     call = call_arguments(fused, args, kwargs)
     call.pop("fused_lm_head")
+    trl_shifts = call.get("shift_labels") is None  # TRL then scores positions 0..S-2: the P=1 shape
+    num_items_in_batch = call.pop("num_items_in_batch", None)
     ctx = enter_cp_forward(model, call)
     if ctx is None:
-        with placeholders_in(model, call):
-            return fused(**call, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
-                         num_items_in_batch=num_items_in_batch)
-    full = shift_labels if shift_labels is not None else shifted_labels(labels)
-    reference = batch_reference(call)
-    local = ctx.shard(full.to(reference.device), dim=1, value=IGNORE_INDEX)
-    with placeholders_in(model, call), ctx.handed_to_decoder():  # TRL calls the backbone, its decoder takes ctx
+        return fused(*args, **kwargs)
+    full = call.pop("shift_labels", None)
+    local = None if full is None else ctx.shard(full, dim=1, value=IGNORE_INDEX)
+    with ctx.running():  # TRL calls the backbone, whose decoder takes the context
         out = fused(**call, fused_lm_head=True, shift_labels=local)
     fields = {}
     for name in PER_TOKEN_FIELDS:
         x = getattr(out, name)
         if x is not None:
-            gathered = ctx.gather(x.to(torch.uint8) if x.dtype == torch.bool else x, dim=1)
-            x = gathered.bool() if x.dtype == torch.bool else gathered
-            # When TRL shifts itself it scores positions 0..S-2 (the last one has no label): the P=1 shape.
-            x = x if shift_labels is not None else x[:, :-1]
+            x = _gathered_to_caller(ctx, x)
+            x = x[:, :-1] if trl_shifts else x
         fields[name] = x
     count = fields["label_mask"].sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return type(out)(loss=-fields["log_probs"].sum() / count, aux_loss=out.aux_loss, **fields)
@@ -93,6 +91,7 @@ def patches() -> list[Patch]:
             "the full sequence; run the backbone under CP, score this rank's slice, gather the per-token outputs",
             expects=("model", "outputs"),
             mirrors=FUSED_LM_HEAD,
+            checked_on="trl>=1.16,<1.17",
             requires="trl",
         ),
     ]

@@ -1,27 +1,12 @@
-"""One module per model family; each declares its patches on top of the shared CP forward in `common`."""
+"""One module per model family: its patches on top of the shared CP forward (`vlmcp_patch.forward`), and
+what is specific to it (Qwen3-VL's deepstack rows, Qwen3.5's gated DeltaNet split by heads). The families
+themselves are declared in `vlmcp_patch.supported`."""
 
-# Top-level classes that run under CP, filled in by the family modules (used in error messages).
-SUPPORTED_CLASSES: list[str] = []
+from __future__ import annotations
 
-
-def find_supported_model(model):
-    """The module of a supported top-level class inside `model` (through PEFT / DeepSpeed / DDP wrappers)."""
-    if model is None:
-        return None
-    for module in model.modules():
-        if type(module).__name__ in SUPPORTED_CLASSES:
-            return module
-    return None
+from ..patching import Patch
+from . import qwen3_5, qwen3_vl
 
 
-def batch_reference(call: dict):
-    """The tensor that fixes a forward's batch shape and device: `input_ids`, else `inputs_embeds` (or None)."""
-    return call["input_ids"] if call.get("input_ids") is not None else call.get("inputs_embeds")
-
-
-def batch_device(call: dict):
-    """Where a forward's batch lives: small control tensors for collectives go there (NCCL takes no CPU ones)."""
-    import torch
-
-    reference = batch_reference(call)
-    return reference.device if reference is not None else torch.device("cpu")
+def patches() -> list[Patch]:
+    return [*qwen3_vl.patches(), *qwen3_5.patches()]

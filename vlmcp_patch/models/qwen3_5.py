@@ -1,21 +1,177 @@
-"""Qwen3.5 and Qwen3.5-MoE: the shared CP forward, plus the gated DeltaNet layers split by heads."""
+"""Qwen3.5 and Qwen3.5-MoE: the shared CP forward, plus the gated DeltaNet layers split by heads.
+
+Sharding the sequence would restart the DeltaNet conv and recurrent state at every shard edge. Instead,
+like Ulysses for softmax attention, each rank takes the whole sequence for a share of the heads:
+
+1. projections on the local tokens (q/k/v channels, z, the per-head gate inputs b and a);
+2. all-to-all of q, k, v from sequence-sharded to head-sharded; all-gather of the small gate inputs
+   (reduce-scattered in backward), then the gates beta and g of this rank's heads;
+3. the depthwise causal conv on this rank's channels only, with the matching rows of the conv weight;
+4. the gated delta rule for this rank's heads over the whole row, reset at every packed sample;
+5. all-to-all back, then gated norm and output projection on the local tokens.
+
+Key heads are replicated when there are fewer of them than ranks (each key head serves a group of
+value heads; replication keeps the grouping exact). The conv and delta-rule functions are looked up
+in the transformers modeling module at call time, so the flash-linear-attention / causal-conv1d
+kernels are used when transformers selected them, and its pure-torch fallback otherwise.
+"""
 
 from __future__ import annotations
 
-from ..attention.linear import gated_deltanet_over_cp
-from ..context import CTX_KWARG
-from ..patching import Patch
-from . import vision_placeholder
-from .common import call_arguments, family_patches
+import sys
+from dataclasses import dataclass
 
-FAMILIES = {
-    "qwen3_5": ("Qwen3_5", ["Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"]),
-    "qwen3_5_moe": ("Qwen3_5Moe", ["Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"]),
-}
+import torch
+import torch.nn.functional as F
+
+from ..attention.heads import BSHD, kv_replication
+from ..collectives import all_to_all, gather_sum_grad
+from ..context import CTX_KWARG, CPContext
+from ..forward.arguments import call_arguments
+from ..patching import Patch
+from ..supported import FAMILIES
+from .base import family_patches
+
 TEXT_MODEL_PARAMS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "use_cache")
 # Digest of the upstream Qwen3_5GatedDeltaNet.forward that `gated_deltanet_over_cp` re-implements
 # (identical in the MoE module). A different digest means upstream changed the layer: re-check it.
 GATED_DELTANET_FORWARD = "8f31ae7d35daf534"
+
+
+def _takes_packed_sequences(fn) -> bool:
+    """Whether transformers resolved `fn` to an optimized kernel (which accepts cu_seqlens / seq_idx).
+
+    transformers' fallback wrapper keeps that decision in a closure variable; the pure-torch
+    reference implementation rejects packed-sequence arguments, so anything else is treated as torch.
+    """
+    while fn is not None:
+        code = getattr(fn, "__code__", None)
+        if code is not None and "is_new_implementation" in code.co_freevars:
+            return bool(fn.__closure__[code.co_freevars.index("is_new_implementation")].cell_contents)
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def _local_conv_channels(layer, key_heads: list[int], value_heads: list[int]) -> torch.Tensor:
+    """Indices of the conv channels (layout [q | k | v]) of the given key and value heads."""
+    device = layer.conv1d.weight.device
+    dk, dv, key_dim = layer.head_k_dim, layer.head_v_dim, layer.key_dim
+    q = (torch.tensor(key_heads, device=device)[:, None] * dk + torch.arange(dk, device=device)).flatten()
+    v = (torch.tensor(value_heads, device=device)[:, None] * dv + torch.arange(dv, device=device)).flatten()
+    return torch.cat([q, key_dim + q, 2 * key_dim + v])
+
+
+def _per_sample(fn, ctx: CPContext, seq_dim: int, *tensors, **kwargs):
+    """Run `fn` once per sample along `seq_dim` (state resets at each start) and concatenate.
+
+    The CP pad tail is left out and comes back as zeros: it lies after every real token, so it cannot
+    change them, and leaving it out keeps the kernels' shapes (and rounding) those of P=1.
+    """
+    outs = [fn(*(t.narrow(seq_dim, a, b - a) for t in tensors), **kwargs) for a, b in ctx.segments]
+    outs = [o[0] if isinstance(o, tuple) else o for o in outs]
+    return ctx.pad(torch.cat(outs, dim=seq_dim) if len(outs) > 1 else outs[0], dim=seq_dim)
+
+
+@dataclass(frozen=True)
+class _HeadShare:
+    """The DeltaNet heads of one rank: key heads (after replication) and value heads."""
+
+    repeat: int  # each key head is repeated this many times so that P divides them
+    key_heads: list[int]  # original index of each local key head
+    value_heads: list[int]
+
+    @classmethod
+    def of(cls, layer, ctx: CPContext) -> _HeadShare:
+        size, rank = ctx.cp.size, ctx.cp.rank
+        repeat = kv_replication(layer.num_v_heads, layer.num_k_heads, size, type(layer).__name__, ("value", "key"))
+        keys, values = layer.num_k_heads * repeat // size, layer.num_v_heads // size
+        return cls(
+            repeat=repeat,
+            key_heads=[h // repeat for h in range(rank * keys, (rank + 1) * keys)],
+            value_heads=list(range(rank * values, (rank + 1) * values)),
+        )
+
+
+def _heads_over_whole_sequence(layer, mixed: torch.Tensor, share: _HeadShare, ctx: CPContext):
+    """Local tokens x all heads -> whole sequence x this rank's heads, for q, k and v."""
+    batch, local_len, _ = mixed.shape
+    q, k, v = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    q = q.reshape(batch, local_len, layer.num_k_heads, layer.head_k_dim)
+    k = k.reshape(batch, local_len, layer.num_k_heads, layer.head_k_dim)
+    v = v.reshape(batch, local_len, layer.num_v_heads, layer.head_v_dim)
+    if share.repeat > 1:
+        q, k = q.repeat_interleave(share.repeat, dim=BSHD.heads), k.repeat_interleave(share.repeat, dim=BSHD.heads)
+    return tuple(all_to_all(t, BSHD.heads, BSHD.seq, ctx.cp.group, ctx.cp.size) for t in (q, k, v))
+
+
+def _gates(layer, b: torch.Tensor, a: torch.Tensor, share: _HeadShare, ctx: CPContext):
+    """beta and g of this rank's heads over the whole sequence.
+
+    The gate inputs are only 2 x value-heads numbers per token, so they are all-gathered and the gates
+    computed for all heads exactly as stock does (same shapes, same rounding) before keeping this
+    rank's heads: A_log and dt_bias then accumulate their gradient in one reduction, like P=1.
+    """
+    group, size, rank = ctx.cp.group, ctx.cp.size, ctx.cp.rank
+    counts = [ctx.local_len] * size
+    b, a = (gather_sum_grad(t, BSHD.seq, counts, group, rank).narrow(BSHD.seq, 0, ctx.seq_len) for t in (b, a))
+    heads = slice(share.value_heads[0], share.value_heads[-1] + 1)
+    beta = b.sigmoid()[..., heads]
+    g = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias))[..., heads]
+    return ctx.pad(beta, dim=BSHD.seq), ctx.pad(g, dim=BSHD.seq)
+
+
+def _segment_ids(ctx: CPContext, device) -> torch.Tensor:
+    segments = ctx.attention_segments
+    lengths = torch.tensor([b - a for a, b in segments], device=device)
+    return torch.repeat_interleave(torch.arange(len(segments), device=device, dtype=torch.int32), lengths)[None]
+
+
+def _causal_conv(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
+    """The depthwise causal conv on this rank's channels, with the matching rows of the conv weight."""
+    batch, seq = q.shape[:2]
+    channels = _local_conv_channels(layer, share.key_heads, share.value_heads)
+    weight = layer.conv1d.weight.squeeze(1)[channels]
+    bias = None if layer.conv1d.bias is None else layer.conv1d.bias[channels]
+    mixed = torch.cat([t.reshape(batch, seq, -1) for t in (q, k, v)], dim=-1).transpose(1, 2)
+    conv = modeling.causal_conv1d_fn
+    if _takes_packed_sequences(conv):
+        mixed = conv(mixed, weight, bias, activation=layer.activation, seq_idx=_segment_ids(ctx, mixed.device))
+    else:
+        mixed = _per_sample(conv, ctx, 2, mixed, weight=weight, bias=bias, activation=layer.activation)
+    key_width = len(share.key_heads) * layer.head_k_dim
+    q, k, v = torch.split(mixed.transpose(1, 2), [key_width, key_width, len(share.value_heads) * layer.head_v_dim], -1)
+    return (
+        q.reshape(batch, seq, -1, layer.head_k_dim),
+        k.reshape(batch, seq, -1, layer.head_k_dim),
+        v.reshape(batch, seq, -1, layer.head_v_dim),
+    )
+
+
+def _delta_rule(modeling, q, k, v, g, beta, ctx: CPContext) -> torch.Tensor:
+    """The gated delta rule of this rank's heads over the whole row, reset at every packed sample."""
+    rule = modeling.torch_chunk_gated_delta_rule
+    options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    if _takes_packed_sequences(rule):
+        return rule(q, k, v, g=g, beta=beta, cu_seqlens=ctx.cu_seqlens(q.device).long(), **options)[0]
+    return _per_sample(lambda *t: rule(*t[:3], g=t[3], beta=t[4], **options), ctx, BSHD.seq, q, k, v, g, beta)
+
+
+def gated_deltanet_over_cp(layer, hidden_states: torch.Tensor, ctx: CPContext) -> torch.Tensor:
+    """One gated DeltaNet layer on this rank's slice (1, local, hidden) of the packed row, split by heads;
+    equal to the stock layer run on each sample of the row alone (see the module docstring)."""
+    modeling = sys.modules[type(layer).__module__]
+    share = _HeadShare.of(layer, ctx)
+    batch, local_len, _ = hidden_states.shape
+    z = layer.in_proj_z(hidden_states).reshape(batch, local_len, -1, layer.head_v_dim)
+
+    q, k, v = _heads_over_whole_sequence(layer, layer.in_proj_qkv(hidden_states), share, ctx)
+    beta, g = _gates(layer, layer.in_proj_b(hidden_states), layer.in_proj_a(hidden_states), share, ctx)
+    q, k, v = _causal_conv(modeling, layer, q, k, v, share, ctx)
+    out = _delta_rule(modeling, q, k, v, g, beta, ctx)
+    out = all_to_all(out, BSHD.seq, BSHD.heads, ctx.cp.group, ctx.cp.size)  # (batch, local_len, num_v, head_v_dim)
+
+    out = layer.norm(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    return layer.out_proj(out.reshape(batch, local_len, -1))
 
 
 def cp_gated_deltanet_forward(wrapped, instance, args, kwargs):
@@ -27,18 +183,20 @@ def cp_gated_deltanet_forward(wrapped, instance, args, kwargs):
 
 def patches() -> list[Patch]:
     out = []
-    for module, (prefix, tops) in FAMILIES.items():
-        path = f"transformers.models.{module}.modeling_{module}"
-        out += family_patches(path, tops, f"{prefix}TextModel", TEXT_MODEL_PARAMS)
-        out += vision_placeholder.patches(path, f"{prefix}Model")
+    for family in FAMILIES:
+        if not family.name.startswith("qwen3_5"):
+            continue
+        out += family_patches(family, TEXT_MODEL_PARAMS)
+        prefix = family.text_model.removesuffix("TextModel")
         out.append(
             Patch(
-                target=f"{path}.{prefix}GatedDeltaNet.forward",
+                target=family.target(f"{prefix}GatedDeltaNet", "forward"),
                 wrapper=cp_gated_deltanet_forward,
                 reason="under CP: exchange sequence for heads so the causal conv and the delta-rule recurrence "
                 "see the whole sequence (reset per packed sample) for this rank's heads",
                 expects=("hidden_states", "cache_params", "attention_mask"),
                 mirrors=GATED_DELTANET_FORWARD,
+                checked_on="transformers>=5.23,<5.24",
             )
         )
     return out

@@ -1,22 +1,39 @@
-"""Qwen3-VL and Qwen3-VL-MoE: the shared CP forward plus deepstack rows in the text-model patch."""
+"""Qwen3-VL and Qwen3-VL-MoE: the shared CP forward, plus the deepstack rows of the visual tokens.
+
+Qwen3-VL adds vision features of several tower depths ("deepstack") to the hidden states of its visual
+tokens in the first decoder layers: one row per visual token, in (batch, sequence) order. Under CP each
+rank keeps the rows of the visual tokens inside its slice.
+"""
 
 from __future__ import annotations
 
+from ..context import CPContext
 from ..patching import Patch
-from . import vision_placeholder
-from .common import family_patches
+from ..supported import FAMILIES
+from .base import family_patches
 
-FAMILIES = {
-    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLTextModel", "Qwen3VLModel"),
-    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeTextModel", "Qwen3VLMoeModel"),
-}
 TEXT_MODEL_PARAMS = ("inputs_embeds", "position_ids", "visual_pos_masks", "deepstack_visual_embeds")
 
 
+def cut_deepstack_rows(call: dict, ctx: CPContext) -> None:
+    """This rank's slice of the visual mask, and the deepstack rows of the visual tokens inside it."""
+    mask = call.get("visual_pos_masks")
+    if mask is None:
+        return
+    full = ctx.pad(mask, dim=1, value=False)
+    row_of_token = (full.flatten().cumsum(0) - 1).view_as(full)  # deepstack row of each visual token
+    local_mask = full[:, ctx.local_slice]
+    rows = row_of_token[:, ctx.local_slice][local_mask]
+    call["visual_pos_masks"] = local_mask
+    embeds = call.get("deepstack_visual_embeds")
+    if embeds is not None:
+        call["deepstack_visual_embeds"] = [level[rows.to(level.device)] for level in embeds]
+
+
 def patches() -> list[Patch]:
-    out = []
-    for module, (top, text, multimodal) in FAMILIES.items():
-        path = f"transformers.models.{module}.modeling_{module}"
-        out += family_patches(path, [top], text, TEXT_MODEL_PARAMS)
-        out += vision_placeholder.patches(path, multimodal)
-    return out
+    return [
+        patch
+        for family in FAMILIES
+        if family.name.startswith("qwen3_vl")
+        for patch in family_patches(family, TEXT_MODEL_PARAMS, cut_deepstack_rows)
+    ]

@@ -16,24 +16,18 @@ accelerator; a plain `Accelerator` when the model is prepared (together with, or
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import logging
 
+import torch
+
 from ..errors import UnsupportedSetupError
-from ..models import find_supported_model
+from ..flags import BATCH_SIZED_BY_ACCELERATE, scoped
 from ..patching import Patch
 from ..settings import SETTINGS, enable
+from ..supported import find_supported_model
 
 logger = logging.getLogger("vlmcp_patch")
-
-# Set while accelerate prepares a DeepSpeed engine: its batch sizes were derived for all W ranks.
-_PREPARING_FOR_ACCELERATE = contextvars.ContextVar("vlmcp_preparing_for_accelerate", default=False)
-
-
-def preparing_for_accelerate() -> bool:
-    return _PREPARING_FOR_ACCELERATE.get()
 
 
 def _deepspeed_sp_size(accelerator) -> int:
@@ -69,25 +63,8 @@ def take_over_sequence_parallelism(accelerator, model) -> bool:
     return True
 
 
-def cp_trainer_create_accelerator(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    take_over_sequence_parallelism(instance.accelerator, instance.model)
-    return result
-
-
 def _model_among(objects):
-    import torch
-
     return next((obj for obj in objects if isinstance(obj, torch.nn.Module)), None)
-
-
-@contextlib.contextmanager
-def _accelerate_sizing():
-    token = _PREPARING_FOR_ACCELERATE.set(True)
-    try:
-        yield
-    finally:
-        _PREPARING_FOR_ACCELERATE.reset(token)
 
 
 def cp_prepare_deepspeed(wrapped, instance, args, kwargs):
@@ -99,21 +76,12 @@ def cp_prepare_deepspeed(wrapped, instance, args, kwargs):
             "together with, or before, the data loaders."
         )
     take_over_sequence_parallelism(instance, model)
-    with _accelerate_sizing():
+    with scoped(BATCH_SIZED_BY_ACCELERATE, True):
         return wrapped(*args, **kwargs)
 
 
 def patches() -> list[Patch]:
     return [
-        Patch(
-            target="transformers.trainer.Trainer.create_accelerator_and_postprocess",
-            wrapper=cp_trainer_create_accelerator,
-            reason="route ParallelismConfig(sp_backend='deepspeed') to CP for supported models as soon as the "
-            "Trainer's accelerator exists, before its data loaders are prepared and before the Trainer reads "
-            "the SP setting (ALST loss, loader adapter, step counts)",
-            expects=(),
-            requires="transformers.trainer",  # installed when the Trainer is imported, not by vlmcp_patch
-        ),
         Patch(
             target="accelerate.accelerator.Accelerator._prepare_deepspeed",
             wrapper=cp_prepare_deepspeed,

@@ -1,0 +1,114 @@
+"""What the example scripts share: the model (the embedded tiny model or a released checkpoint), the data
+(synthetic samples for the tiny models, conversations with pictures through a checkpoint's processor),
+the trained weights gathered from a sharded engine, and a clean end of the process group.
+
+The examples import it as a sibling module (`python examples/<script>.py` puts this folder on the path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from vlmcp_patch.fixtures.data import PaddingCollator, make_image, synthetic_dataset
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
+
+TINY = {"tiny-qwen3-vl": tiny_qwen3_vl_config, "tiny-qwen3.5": tiny_qwen3_5_config}
+
+# Conversations for a released checkpoint: (question, answer, sizes (width, height) of the pictures shown)
+CONVERSATIONS = [
+    ("What is in the picture?", "A blue box on stripes.", [(320, 240)]),
+    ("Compare the two images.", "The left one is wider; both have a box.", [(256, 256), (240, 400)]),
+    ("Say hello.", "Hello! How can I help you today?", []),
+    ("Describe the colors.", "Mostly red with a purple square.", [(256, 512)]),
+]
+
+
+def chat_dataset(n: int, seed: int = 0) -> list:
+    rows = []
+    for i in range(n):
+        question, answer, sizes = CONVERSATIONS[i % len(CONVERSATIONS)]
+        user = [{"type": "image"} for _ in sizes] + [{"type": "text", "text": question}]
+        rows.append({
+            "images": [make_image(w, h, seed=seed + 10 * i + j) for j, (w, h) in enumerate(sizes)],
+            "messages": [{"role": "user", "content": user},
+                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+        })
+    return rows
+
+
+class ChatCollator:
+    """Conversations with pictures through a checkpoint's own processor (chat template, image processor).
+
+    Labels are the tokens themselves with padding ignored (the model shifts them).
+    """
+
+    def __init__(self, processor):
+        self.processor = processor
+
+    def __call__(self, rows):
+        texts = [self.processor.apply_chat_template(row["messages"], tokenize=False) for row in rows]
+        images = [image for row in rows for image in row["images"]] or None
+        batch = dict(self.processor(text=texts, images=images, return_tensors="pt", padding=True))
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        return batch
+
+
+def load_model(name: str, attn: str):
+    """The embedded tiny model, or a released checkpoint (e.g. Qwen/Qwen3-VL-2B-Instruct; bf16 on GPUs)."""
+    if name in TINY:
+        return build_model(TINY[name](attn_implementation=attn), seed=0)
+    from transformers import AutoModelForImageTextToText
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return AutoModelForImageTextToText.from_pretrained(name, attn_implementation=attn, dtype=dtype)
+
+
+def data_collator(name: str):
+    """How samples become batches: synthetic samples for the tiny models, the checkpoint's processor otherwise."""
+    if name in TINY:
+        return PaddingCollator()
+    from transformers import AutoProcessor
+
+    return ChatCollator(AutoProcessor.from_pretrained(name))
+
+
+def samples(name: str, n: int, seed: int = 0) -> list:
+    return synthetic_dataset(n, seed) if name in TINY else chat_dataset(n, seed)
+
+
+def token_accuracy(eval_pred) -> dict:
+    """`compute_metrics`: next-token accuracy, and how many tokens were scored (each sample counted once)."""
+    logits = eval_pred.predictions[0] if isinstance(eval_pred.predictions, tuple) else eval_pred.predictions
+    predicted, target = logits[:, :-1].argmax(-1), eval_pred.label_ids[:, 1:]
+    scored = target != -100
+    return {"accuracy": float((predicted == target)[scored].mean()), "scored_tokens": int(scored.sum())}
+
+
+def full_state_dict(model, accelerator=None) -> dict:
+    """The trained weights on CPU, gathered where they are sharded (every rank calls this): ZeRO-3
+    partitions through DeepSpeed, FSDP2 DTensors through the accelerator."""
+    params = list(model.parameters())
+    if accelerator is not None and type(params[0]).__name__ == "DTensor":
+        state = accelerator.get_state_dict(model)
+        return {k: v.detach().cpu().clone() for k, v in (state or {}).items()}
+    gathered = contextlib.nullcontext()
+    if hasattr(params[0], "ds_id"):  # ZeRO-3
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
+    with gathered:
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def finish_distributed() -> None:
+    """End the process group cleanly: every rank reaches the end before any tears its connections down.
+
+    Without the barrier a rank that exits first can close gloo connections another rank still uses, which
+    then aborts at exit ("terminate called without an active exception") after the work is done.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,159 @@
+"""With CP off the import changes nothing: every input stock transformers accepts gives bit-identical
+outputs and gradients (or the very same error) with the patches installed and reverted; `generate()` works
+at any P for every supported class, padded on either side."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import vlmcp_patch
+from tests.harness import run_distributed
+from vlmcp_patch.fixtures.data import Segment as S
+from vlmcp_patch.fixtures.data import make_batch
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
+
+MODELS = {
+    "Qwen3VLForConditionalGeneration": lambda: tiny_qwen3_vl_config(),
+    "Qwen3VLMoeForConditionalGeneration": lambda: tiny_qwen3_vl_config(moe=True),
+    "Qwen3_5ForConditionalGeneration": lambda: tiny_qwen3_5_config(),
+    "Qwen3_5MoeForConditionalGeneration": lambda: tiny_qwen3_5_config(moe=True),
+    "Qwen3_5ForCausalLM": lambda: tiny_qwen3_5_config(text_only=True),
+    "Qwen3_5MoeForCausalLM": lambda: tiny_qwen3_5_config(moe=True, text_only=True),
+}
+PAIR = [[S(text=4), S(image=(16, 16)), S(text=3)], [S(text=6)]]
+
+
+def _left(batch: dict) -> dict:
+    lengths = batch["attention_mask"].sum(1)
+    out = dict(batch)
+    for key in ("input_ids", "mm_token_type_ids", "attention_mask", "labels"):
+        if key in batch:
+            out[key] = torch.stack([row.roll(int(batch[key].shape[1] - n)) for row, n in zip(batch[key], lengths)])
+    return out
+
+
+def _text_only(batch: dict) -> dict:
+    keep = ("input_ids", "attention_mask", "labels")
+    out = {k: v for k, v in batch.items() if k in keep}
+    out["input_ids"] = out["input_ids"].clamp(max=100)  # no image placeholder ids left
+    return out
+
+
+def _cumsum_positions(batch: dict) -> dict:
+    mask = batch["attention_mask"]
+    return {**batch, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
+
+
+def _masked_fill_positions(batch: dict) -> dict:
+    mask = batch["attention_mask"]
+    return {**batch, "position_ids": (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)}
+
+
+def _restarting_rows_without_mask(batch: dict) -> dict:
+    width = batch["input_ids"].shape[1]
+    positions = torch.cat([torch.arange(width // 2), torch.arange(width - width // 2)])[None].expand(2, -1)
+    return {k: v for k, v in {**batch, "position_ids": positions}.items() if k != "attention_mask"}
+
+
+def _embeds(model, batch: dict) -> dict:
+    out = {k: v for k, v in batch.items() if k != "input_ids"}
+    out["inputs_embeds"] = model.get_input_embeddings()(batch["input_ids"]).detach()
+    return out
+
+
+def inputs_for(name: str, model) -> dict:
+    """Stock-valid inputs: padding either side, positions given (cumsum / masked-fill style) or not, embeddings,
+    several rows with restarting positions, a malformed one (stock's error must stay the same)."""
+    multimodal = "ForConditionalGeneration" in name
+    pair = make_batch(PAIR, seed=1) if multimodal else _text_only(make_batch(PAIR, seed=1))
+    text_pair = _text_only(make_batch(PAIR, seed=2))
+    cases = {
+        "right_padded": pair,
+        "left_padded": _left(pair),
+        "right_padded_cumsum_positions": _cumsum_positions(pair),
+        "left_padded_cumsum_positions": _cumsum_positions(_left(pair)),
+        "left_padded_masked_fill_positions": _masked_fill_positions(_left(pair)),
+        "text_rows": text_pair,
+        "text_left_padded_cumsum_positions": _cumsum_positions(_left(text_pair)),
+        "inputs_embeds": _embeds(model, text_pair),
+        "restarting_rows_without_mask": _restarting_rows_without_mask(text_pair),
+        "one_row": {k: v[:1] for k, v in text_pair.items() if k != "attention_mask"},
+    }
+    if multimodal:
+        broken = dict(pair)
+        broken["input_ids"] = pair["input_ids"].clamp(max=100)  # image features without image tokens
+        cases["stock_error_image_tokens"] = broken
+    return cases
+
+
+def _outcome(model, batch: dict):
+    model.zero_grad(set_to_none=True)
+    try:
+        out = model(**batch)
+    except Exception as exc:  # noqa: BLE001 - compared with stock's
+        return ("error", type(exc).__name__, str(exc))
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return ("ok", out.loss.detach(), out.logits.detach(), grads)
+
+
+def _identical(a, b) -> bool:
+    if a[0] != b[0]:
+        return False
+    if a[0] == "error":
+        return a[1:] == b[1:]
+    return torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and a[3].keys() == b[3].keys() and all(
+        torch.equal(a[3][n], b[3][n]) for n in a[3])
+
+
+@pytest.fixture
+def reapply():
+    yield
+    vlmcp_patch.apply()
+    vlmcp_patch.enable(cp_size=1)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_p1_is_bit_identical_to_stock_for_stock_valid_inputs(name, reapply):
+    model = build_model(MODELS[name](), seed=3)
+    cases = inputs_for(name, model)
+    ours = {case: _outcome(model, batch) for case, batch in cases.items()}
+    vlmcp_patch.revert()
+    stock = {case: _outcome(model, batch) for case, batch in cases.items()}
+    differing = [case for case in cases if not _identical(ours[case], stock[case])]
+    assert not differing, differing
+    assert sum(o[0] == "ok" for o in stock.values()) >= len(cases) - 1, "the inputs must be ones stock accepts"
+
+
+def generate_cases(rank: int, world_size: int) -> dict:
+    """generate() for every supported class, prompts padded left and right, under CP and at P=1."""
+    results = {}
+    for name, make_config in MODELS.items():
+        model = build_model(make_config(), seed=3)
+        multimodal = "ForConditionalGeneration" in name
+        prompts = make_batch(PAIR, seed=1, labels=False)
+        if not multimodal:
+            prompts = _text_only(prompts)
+        for side, batch in (("right", prompts), ("left", _left(prompts))):
+            outs = []
+            for size in (world_size, 1):
+                vlmcp_patch.enable(cp_size=size)
+                outs.append(model.generate(**batch, max_new_tokens=3, do_sample=False))
+            results[f"{name} {side}"] = (outs[0].shape[1] - batch["input_ids"].shape[1], torch.equal(*outs))
+    vlmcp_patch.enable(cp_size=1)
+    return results
+
+
+@functools.cache
+def generated():
+    return run_distributed(generate_cases, 2, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_generate_under_cp_equals_p1(name, side):
+    for res in generated():
+        assert res[f"{name} {side}"] == (3, True)

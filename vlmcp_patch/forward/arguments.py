@@ -1,0 +1,28 @@
+"""A patched call's arguments as one dict, and the tensor that fixes its batch shape and device."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def call_arguments(wrapped, args, kwargs) -> dict:
+    """All arguments of a call as keywords, including those collected by the target's `**kwargs`."""
+    sig = inspect.signature(wrapped)
+    call = dict(sig.bind_partial(*args, **kwargs).arguments)
+    var_kw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    if var_kw is not None:
+        call.update(call.pop(var_kw, {}))
+    return call
+
+
+def batch_reference(call: dict) -> torch.Tensor | None:
+    """`input_ids`, else `inputs_embeds` (or None): the tensor that fixes a forward's batch shape and device."""
+    return call["input_ids"] if call.get("input_ids") is not None else call.get("inputs_embeds")
+
+
+def batch_device(call: dict) -> torch.device:
+    """Where a forward's batch lives: small control tensors for collectives go there (NCCL takes no CPU ones)."""
+    reference = batch_reference(call)
+    return reference.device if reference is not None else torch.device("cpu")

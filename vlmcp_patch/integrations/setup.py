@@ -1,0 +1,23 @@
+"""The setup check the training integrations run before the first step under CP."""
+
+from __future__ import annotations
+
+from ..distributed import get_cp_group
+from ..errors import UnsupportedSetupError
+from ..forward.checks import check_model_config
+from ..settings import cp_size
+from ..supported import find_supported_model, unsupported_model_message
+
+
+def check_cp_setup(model) -> None:
+    """Raise a clear `UnsupportedSetupError` if `model` cannot train under the CP size in effect: a model the
+    package does not run under CP (the integrations would otherwise shard its data and scale its gradients
+    for nothing), a configuration that cannot split (attention, heads), or a launch whose world size P does
+    not divide. No-op at P=1."""
+    if cp_size() == 1:
+        return
+    found = find_supported_model(model)
+    if found is None:
+        raise UnsupportedSetupError(unsupported_model_message(type(model).__name__, cp_size()))
+    check_model_config(found.config.get_text_config(), cp_size())
+    get_cp_group()  # torch.distributed is up and P divides the world size

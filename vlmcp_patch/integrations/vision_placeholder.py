@@ -1,0 +1,121 @@
+"""Matched vision passes across data-parallel replicas: a placeholder pass where a micro-batch has no images.
+
+Data-parallel wrappers need every rank to run the same modules: ZeRO-3 and FSDP2 all-gather each
+module's weights when it runs and reduce-scatter its gradients; DDP (without `find_unused_parameters`)
+and ZeRO-1/2 reduce gradients in buckets that must match across ranks. A replica whose micro-batch is
+text-only skips the vision tower that the others run, and the job hangs or fails — stock transformers
+too. Here every forward of a multimodal model first agrees, in one tiny all-reduce over the world, on
+which modalities any replica has; a rank missing one runs the stock forward with a placeholder of the
+smallest size the tower accepts (one merged token, `forward.vision.placeholder_vision_inputs`). Its
+output goes through the stock placement with no placeholder token in the sequence: the scatter places
+nothing and the deepstack rows add to no position, so it joins the graph with weight zero — the loss is
+unchanged, its gradients are exactly zero, and forward and backward visit the tower at the same points
+as on the ranks with real images.
+
+It acts under CP with more than one replica (setting `match_vision_passes`, `VLMCP_MATCH_VISION_PASSES`:
+on under CP by default; `1` also at P=1; `0` never), in forwards with gradients, or whenever the vision
+weights are partitioned (ZeRO-3, FSDP2: evaluation gathers them too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import cp_requested, data_parallel_world_size, distributed_ready, world_group
+from ..flags import VISION_PLACEHOLDERS, scoped
+from ..forward.arguments import batch_device, call_arguments
+from ..forward.vision import placeholder_vision_inputs
+from ..patching import Patch
+from ..settings import SETTINGS
+from ..stats import STATS
+from ..supported import FAMILIES
+
+_INPUTS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+
+
+def _partitioned(module) -> bool:
+    param = next(module.parameters(), None)
+    return param is not None and (hasattr(param, "ds_id") or type(param).__name__ == "DTensor")
+
+
+def matching_required(model) -> bool:
+    """Whether this forward of the multimodal `model` must keep its vision passes matched across replicas."""
+    setting = SETTINGS.match_vision_passes
+    if setting is False or not distributed_ready() or data_parallel_world_size() == 1:
+        return False
+    if setting is None and not cp_requested():
+        return False
+    return torch.is_grad_enabled() or _partitioned(model.visual)
+
+
+def missing_modalities(call: dict) -> frozenset:
+    """Modalities this rank must run as placeholders so its vision passes match the other replicas'."""
+    encoded = call.get("mm_encoder_outputs") or {}
+    here = [call.get(_INPUTS[m][0]) is not None or encoded.get(m) is not None for m in _INPUTS]
+    anywhere = torch.tensor(here, dtype=torch.int32, device=batch_device(call))
+    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=world_group())
+    return frozenset(m for m, mine, any_rank in zip(_INPUTS, here, anywhere.tolist()) if any_rank and not mine)
+
+
+def matched_vision_forward(wrapped, instance, args, kwargs):
+    if not matching_required(instance):
+        return wrapped(*args, **kwargs)
+    call = call_arguments(wrapped, args, kwargs)
+    missing = missing_modalities(call)
+    if not missing:
+        return wrapped(**call)
+    device = batch_device(call)
+    for modality in missing:
+        pixels_key, grid_key = _INPUTS[modality]
+        call[pixels_key], call[grid_key] = placeholder_vision_inputs(
+            instance.config.vision_config, device, instance.visual.dtype
+        )
+    STATS.vision_placeholders += len(missing)
+    with scoped(VISION_PLACEHOLDERS, missing):
+        return wrapped(**call)
+
+
+def placeholder_unchecked_mask(wrapped, instance, args, kwargs):
+    # The placeholder's features have no tokens in the sequence: skip stock's count check for them; the
+    # mask it returns (the sequence's own placeholder tokens: none) places nothing.
+    for modality in VISION_PLACEHOLDERS.get():
+        kwargs.pop(f"{modality}_features", None)
+    return wrapped(*args, **kwargs)
+
+
+def placeholder_free_positions(wrapped, instance, args, kwargs):
+    # mRoPE positions come from the sequence's own images and videos, never the placeholder's grid.
+    for modality in VISION_PLACEHOLDERS.get():
+        kwargs[_INPUTS[modality][1]] = None
+    return wrapped(*args, **kwargs)
+
+
+def patches() -> list[Patch]:
+    out = []
+    for family in FAMILIES:
+        if family.multimodal_model is None:
+            continue
+        target = lambda attribute: family.target(family.multimodal_model, attribute)  # noqa: E731
+        out += [
+            Patch(
+                target=target("forward"),
+                wrapper=matched_vision_forward,
+                reason="data-parallel replicas without images (or videos) run a zero-weight placeholder vision pass "
+                "where another replica has them, so weight gathers and gradient reductions stay matched",
+                expects=("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"),
+            ),
+            Patch(
+                target=target("get_placeholder_mask"),
+                wrapper=placeholder_unchecked_mask,
+                reason="vision placeholder: its features match no token of the sequence by design",
+                expects=("input_ids", "inputs_embeds", "image_features", "video_features"),
+            ),
+            Patch(
+                target=target("compute_3d_position_ids"),
+                wrapper=placeholder_free_positions,
+                reason="vision placeholder: its grid must not enter the mRoPE positions",
+                expects=("image_grid_thw", "video_grid_thw"),
+            ),
+        ]
+    return out

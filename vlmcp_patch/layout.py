@@ -1,0 +1,98 @@
+"""Pure layout arithmetic: how a sequence is padded and cut over the CP ranks, where packed samples start,
+and how vision items are spread over the ranks. No torch.distributed, no model: property-tested alone.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import torch
+
+Segment = tuple[int, int]  # [start, end) of one sample in the packed row
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= n."""
+    return -(-n // multiple) * multiple
+
+
+def shard_slice(length: int, size: int, rank: int) -> slice:
+    """The contiguous slice rank `rank` of `size` holds of a sequence of `length`, padded to a multiple of `size`."""
+    local = round_up(length, size) // size
+    return slice(rank * local, (rank + 1) * local)
+
+
+def starts_of(text_positions: torch.Tensor) -> torch.Tensor:
+    """Boolean, same shape as `text_positions` (..., S): True where a sample starts, i.e. where the position
+    does not continue the previous one by +1 (the first token always starts one)."""
+    starts = torch.diff(text_positions, dim=-1) != 1
+    return torch.cat([torch.ones_like(starts[..., :1]), starts], dim=-1)
+
+
+def segments_of(starts: Sequence[int], length: int) -> list[Segment]:
+    """Consecutive [start, end) segments from sorted start offsets (the first must be 0) up to `length`."""
+    bounds = [*starts, length]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def segments_from_lengths(lengths: Sequence[int]) -> list[Segment]:
+    """Back-to-back segments of the given (positive) lengths."""
+    out, start = [], 0
+    for n in lengths:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def positions_restarting_at(segments: Sequence[Segment]) -> torch.Tensor:
+    """Text positions 0, 1, ... restarting at every segment start: shape (sum of lengths,)."""
+    return torch.cat([torch.arange(b - a) for a, b in segments]) if segments else torch.zeros(0, dtype=torch.long)
+
+
+def cu_seqlens_of(segments: Sequence[Segment]) -> list[int]:
+    """Cumulative boundaries [0, end_1, end_2, ...] of back-to-back segments."""
+    return [0] + [b for _, b in segments]
+
+
+def split_into_units(costs: Sequence[int], frames: Sequence[int], size: int) -> list[tuple[int, int, int]]:
+    """Vision work units: (item, first frame, frame count). An item stays whole unless its cost exceeds the
+    fair share of one rank (total / size); then it is split into its frames (temporal patch groups), which
+    the vision tower encodes independently."""
+    fair = sum(costs) / size if size else 0
+    units = []
+    for item, (cost, n) in enumerate(zip(costs, frames)):
+        if n > 1 and cost > fair:
+            units += [(item, f, 1) for f in range(n)]
+        else:
+            units.append((item, 0, n))
+    return units
+
+
+def assign_to_ranks(costs: Sequence[int], size: int) -> list[int]:
+    """Rank of each unit: longest first, each to the least loaded rank (ties: the lowest rank).
+
+    Deterministic from the costs alone, so every rank computes the same assignment without communicating.
+    The greedy bound: the busiest rank carries at most (4/3 - 1/(3P)) x the optimum (Graham's LPT).
+    """
+    ranks = [0] * len(costs)
+    loads = [(0, r) for r in range(size)]
+    heapq.heapify(loads)
+    for unit in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(loads)
+        ranks[unit] = rank
+        heapq.heappush(loads, (load + costs[unit], rank))
+    return ranks
+
+
+def kv_replication_factor(num_heads: int, num_kv_heads: int, size: int) -> int | None:
+    """Smallest k dividing the query-to-KV group size with num_kv_heads * k divisible by `size`.
+
+    Rank r receives query heads [r*H/P, (r+1)*H/P); repeating each KV head k times keeps the grouping exact.
+    Such a k exists (at worst the group size itself) whenever `size` divides the query heads and the KV
+    heads divide them; otherwise None.
+    """
+    if num_heads % size or num_heads % num_kv_heads:
+        return None
+    group = num_heads // num_kv_heads
+    return next(k for k in range(1, group + 1) if group % k == 0 and (num_kv_heads * k) % size == 0)
