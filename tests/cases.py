@@ -17,6 +17,12 @@ PADDED_PAIR = [
     [S(text=7), S(image=(16, 16)), S(text=3), S(image=(24, 16)), S(text=2)],
 ]
 
+# Vision data parallelism: one image (fewer than P), one big image beside small ones, a video of three
+# temporal patch groups (larger than a rank's share: split by groups) beside an image.
+ONE_IMAGE = [[S(text=7), S(image=(16, 24)), S(text=9)]]
+BIG_AND_SMALL = [[S(text=3), S(image=(48, 40)), S(text=4), S(image=(16, 16)), S(image=(16, 16)), S(text=5)]]
+VIDEO_AND_IMAGE = [[S(text=4), S(video=(3, 16, 16)), S(text=3), S(image=(24, 16)), S(text=2)]]
+
 PACKED_TEXT = ("packed", [9, 14, 6])  # three text samples in one row, position_ids restarting at 0
 
 
@@ -64,6 +70,10 @@ QWEN3_VL_CASES = {
     "packed_text": ({}, PACKED_TEXT),
     "grad_checkpointing": ({"gradient_checkpointing": True}, MULTI_IMAGE),
     "lora_frozen_vision": ({"lora": True}, MULTI_IMAGE),
+    "one_image": ({}, ONE_IMAGE),
+    "big_and_small_images": ({}, BIG_AND_SMALL),
+    "video_and_image": ({}, VIDEO_AND_IMAGE),
+    "vision_replicated": ({"vision_dp": False}, MULTI_IMAGE),
 }
 
 QWEN3_5_CASES = {
@@ -76,6 +86,9 @@ QWEN3_5_CASES = {
     "moe_multi_image": ({"moe": True}, MULTI_IMAGE),
     "moe_padded_pair": ({"moe": True}, PADDED_PAIR),
     "moe_causal_lm": ({"moe": True, "text_only": True}, ("packed", [23])),
+    "one_image": ({}, ONE_IMAGE),
+    "video_and_image": ({}, VIDEO_AND_IMAGE),
+    "vision_grad_checkpointing": ({"gradient_checkpointing": True}, BIG_AND_SMALL),
 }
 
 FAMILIES = {
@@ -86,12 +99,12 @@ FAMILIES = {
 # All-to-all calls of one forward+backward: Qwen3-VL's two attention layers exchange q, k, v and the
 # output each way (2 x 8); gradient checkpointing replays the forward ones in backward (+8). Qwen3.5:
 # one attention layer (8) and two DeltaNet layers exchanging q, k, v and the output (2 x 8; their
-# gate inputs travel by all-gather, not counted here).
+# gate inputs travel by all-gather, not counted here); gradient checkpointing replays the 12 forward ones.
 # With LoRA on q/v and everything below layer 0 frozen, nothing needs the gradient of layer 0's keys
 # (15).
 EXCHANGES = {
     "qwen3_vl": {"default": 16, "grad_checkpointing": 24, "lora_frozen_vision": 15},
-    "qwen3_5": {"default": 24},
+    "qwen3_5": {"default": 24, "vision_grad_checkpointing": 36},
 }
 
 
@@ -125,6 +138,7 @@ def with_lora_and_frozen_vision(model):
 
 def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list[str], attn: str = "sdpa") -> dict:
     """Parity metrics of each named case; with attn='flash_attention_2' through the CPU stand-in kernel."""
+    import vlmcp_patch
     from tests import flash_standin
     from tests.parity import compare
 
@@ -137,6 +151,7 @@ def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list
         config_kwargs = dict(config_kwargs)
         checkpointing = config_kwargs.pop("gradient_checkpointing", False)
         lora = config_kwargs.pop("lora", False)
+        vision_dp = config_kwargs.pop("vision_dp", True)
         config = make_config(**config_kwargs)
         model = build_model(config, seed=1)
         if lora:
@@ -148,11 +163,19 @@ def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list
             flash_standin.use_flash(model)
         batch = build_batch(layout, seed=7)
         flash_standin.CALLS.clear()
-        metrics = compare(model, batch, cp_size)
+        vlmcp_patch.enable(vision_dp=vision_dp)
+        try:
+            metrics = compare(model, batch, cp_size)
+        finally:
+            vlmcp_patch.enable(vision_dp=True)
         metrics["flash_calls"] = [c for c in flash_standin.CALLS if c["causal"]]
         metrics["seq_len"] = batch["input_ids"].shape[1]
         metrics["image_crosses_edge"] = crosses_shard_edge(batch["input_ids"], cp_size)
         metrics["num_layers"] = config.get_text_config().num_hidden_layers
         metrics["trainable"] = sum(p.requires_grad for p in model.parameters())
+        metrics["num_kv_heads"] = config.get_text_config().num_key_value_heads
+        metrics["linear_key_heads"] = getattr(config.get_text_config(), "linear_num_key_heads", None)
+        grids = [batch.get(k) for k in ("image_grid_thw", "video_grid_thw") if batch.get(k) is not None]
+        metrics["vision_patches"] = int(sum(int(g.prod(-1).sum()) for g in grids))
         results[name] = metrics
     return results

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 
 def _layer(num_k: int, num_v: int):

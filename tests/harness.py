@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -18,12 +21,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(procs: int) -> list[str]:
-    """The command prefix that launches a script on `procs` local processes with torch.distributed.run."""
-    import sys
+ROOT = Path(__file__).resolve().parents[1]
 
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
-            "--master-port", str(free_port())]
+
+def _launcher(kind: str, procs: int) -> list[str]:
+    """The command prefix that runs a module on `procs` local processes with the launcher `kind`."""
+    python = [sys.executable, "-m"]
+    if kind == "python":
+        return python
+    if kind == "torchrun":
+        return [*python, "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port", str(free_port()),
+                "-m"]
+    if kind == "accelerate":
+        return [*python, "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs), "--num_machines",
+                "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+                "-m"]
+    if kind == "deepspeed":
+        return [*python, "deepspeed.launcher.runner", "--num_gpus", str(procs), "--master_port", str(free_port()),
+                "--module"]
+    raise ValueError(kind)
+
+
+def launch(script: str | Path, args=(), *, procs: int = 1, launcher: str = "torchrun", env: dict | None = None,
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `script ARGS` on `procs` processes under `launcher` (python, torchrun, accelerate, deepspeed) from
+    the repository root, through tests/run_script.py (no interpreter finalization at exit); bounded in time."""
+    cmd = [*_launcher(launcher, procs), "tests.run_script", str(script), *map(str, args)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT)
 
 
 def weight_error(a: dict, b: dict) -> float:
@@ -33,21 +58,35 @@ def weight_error(a: dict, b: dict) -> float:
     )
 
 
-def _entry(fn, rank, world_size, port, results, args, env):
+def _entry(fn, rank, world_size, port, results, args, env, timeout):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    ok = False
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
         results.put((rank, "ok", fn(rank, world_size, *args)))
+        ok = True
     except BaseException:  # noqa: BLE001 - report anything to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            if ok:
+                dist.barrier()  # success only: a failed peer would never join
             dist.destroy_process_group()
+        # Skip interpreter finalization: a gloo worker thread that drops the last reference to a tensor
+        # while the interpreter shuts down aborts the process (CPython < 3.14). Flush the results first.
+        results.close()
+        results.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if ok else 1)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None):
@@ -60,7 +99,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, env or {}), daemon=True)
+        ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, env or {}, timeout),
+                    daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:

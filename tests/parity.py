@@ -109,6 +109,7 @@ def compare(model, batch: dict, cp_size: int) -> dict:
         with ExchangeCounter() as counter:
             out, grads = _forward_backward(model, batch)
         exchanges = counter.calls
+        vision_encoded = STATS.vision_patches if STATS.vision_passes else None
         vision = STATS.drain()
         with torch.no_grad():
             full_logits = model(**no_labels).logits
@@ -135,6 +136,6 @@ def compare(model, batch: dict, cp_size: int) -> dict:
         "num_params": len(ref_grads),
         "exchanges": exchanges,
         "per_rank_grads_equal_reference": per_rank_equal,
-        "vision_patches_per_rank": vision.get("cp_vision_patches_per_rank"),
+        "vision_patches_per_rank": vision_encoded,
         "vision_imbalance": vision.get("cp_vision_imbalance"),
     }

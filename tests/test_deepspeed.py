@@ -10,39 +10,25 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness import free_port, torchrun, weight_error
+from tests.harness import ROOT, launch, weight_error
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "deepspeed_train.py"
 
 
-def deepspeed_launcher(procs: int) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(procs),
-            "--master_port", str(free_port())]
-
-
 @functools.cache
-def launch(model: str, stage: int, procs: int, cp_size: int, launcher=torchrun) -> tuple[dict, list]:
+def train(model: str, stage: int, procs: int, cp_size: int, launcher="torchrun") -> tuple[dict, list]:
     tmp = Path(tempfile.mkdtemp())
-    env = {**os.environ, "VLMCP_CP_SIZE": str(cp_size), "OMP_NUM_THREADS": "1"}
-    cmd = [
-        *launcher(procs),
-        str(SCRIPT),
-        "--deepspeed", str(ROOT / "examples" / f"ds_zero{stage}.json"), "--model", model,
-        "--save-weights", str(tmp / "w.pt"), "--save-logs", str(tmp / "log.json"),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, cwd=ROOT)
+    args = ["--deepspeed", ROOT / "examples" / f"ds_zero{stage}.json", "--model", model,
+            "--save-weights", tmp / "w.pt", "--save-logs", tmp / "log.json"]
+    out = launch(SCRIPT, args, procs=procs, launcher=launcher, env={"VLMCP_CP_SIZE": str(cp_size)}, timeout=400)
     assert out.returncode == 0, out.stderr[-4000:]
     return torch.load(tmp / "w.pt"), json.loads((tmp / "log.json").read_text())
 
@@ -51,7 +37,7 @@ def launch(model: str, stage: int, procs: int, cp_size: int, launcher=torchrun) 
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("model", ["tiny-qwen3-vl", "tiny-qwen3.5"])
 def test_deepspeed_cp2_equals_p1(model, stage):
-    (w1, log1), (w2, log2) = launch(model, stage, 1, 1), launch(model, stage, 2, 2)
+    (w1, log1), (w2, log2) = train(model, stage, 1, 1), train(model, stage, 2, 2)
     assert weight_error(w2, w1) <= 1e-4
     assert len(log1) == len(log2) == 3
     for a, b in zip(log1, log2):
@@ -61,13 +47,13 @@ def test_deepspeed_cp2_equals_p1(model, stage):
 
 
 def test_stock_deepspeed_on_two_processes_shards_the_data():
-    (w1, _), (wd, _) = launch("tiny-qwen3-vl", 2, 1, 1), launch("tiny-qwen3-vl", 2, 2, 1)
+    (w1, _), (wd, _) = train("tiny-qwen3-vl", 2, 1, 1), train("tiny-qwen3-vl", 2, 2, 1)
     assert weight_error(wd, w1) > 1e-2
 
 
 def test_deepspeed_launcher_cp2_equals_p1():
     """The same script under the `deepspeed` launcher (it adds --local_rank; VLMCP_CP_SIZE rides in the env)."""
-    (w1, log1), (w2, log2) = launch("tiny-qwen3.5", 3, 1, 1), launch("tiny-qwen3.5", 3, 2, 2, deepspeed_launcher)
+    (w1, log1), (w2, log2) = train("tiny-qwen3.5", 3, 1, 1), train("tiny-qwen3.5", 3, 2, 2, "deepspeed")
     assert weight_error(w2, w1) <= 1e-4
     assert len(log1) == len(log2) == 3
     assert all(abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) for a, b in zip(log1, log2))

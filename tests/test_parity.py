@@ -56,11 +56,27 @@ def test_lora_case_trains_only_adapters():
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_awkward_cases_are_awkward(family, cp_size):
-    m = results(family, cp_size, "sdpa")[0]["multi_image"]
+    per_case = results(family, cp_size, "sdpa")[0]
+    m = per_case["multi_image"]
     assert m["seq_len"] % cp_size, "length must not be a multiple of P"
     assert m["image_crosses_edge"], "an image span must cross a shard edge"
-    assert QWEN3_VL_CASES["one_kv_head"][0]["num_key_value_heads"] < cp_size
-    assert QWEN3_5_CASES["one_key_head"][0]["linear_num_key_heads"] < cp_size
+    fewer_heads = per_case["one_kv_head"]["num_kv_heads"] if family == "qwen3_vl" else \
+        per_case["one_key_head"]["linear_key_heads"]
+    assert fewer_heads < cp_size
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_vision_data_parallelism_splits_the_work(family, cp_size):
+    """Each rank encodes only its share of the vision patches (its own count, not everyone's); with
+    VLMCP_VISION_DP=0 every rank encodes all of them (and parity holds either way, above)."""
+    per_rank = results(family, cp_size, "sdpa")
+    for case in ("multi_image", "video_and_image"):
+        encoded = [res[case]["vision_patches_per_rank"] for res in per_rank]
+        total = per_rank[0][case]["vision_patches"]
+        assert sum(encoded) == total and max(encoded) < total, (case, encoded, total)
+    if family == "qwen3_vl":
+        assert all(res["vision_replicated"]["vision_patches_per_rank"] is None for res in per_rank)
 
 
 @pytest.mark.parametrize("case", FLASH_CASES)

@@ -7,7 +7,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 import transformers
 from transformers.models.qwen3_vl import modeling_qwen3_vl as mq
 from transformers.modeling_utils import AttentionInterface

@@ -9,26 +9,18 @@ same switch is trained to parity in test_trainer.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
+from tests.harness import ROOT, launch
 
 pytest.importorskip("deepspeed")
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(mode: str, tmp_path: Path) -> dict:
     out = tmp_path / f"{mode}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(ROOT / "tests" / "sp_switch_script.py"), mode, str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLMCP_CP_SIZE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    proc = launch(ROOT / "tests" / "sp_switch_script.py", [mode, out], procs=2, env={"VLMCP_CP_SIZE": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -12,38 +12,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness import free_port, torchrun, weight_error
+from tests.harness import ROOT, launch, weight_error
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "hf_trainer_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
 
 
-def _launcher(procs: int, extra, accelerate_launch: bool) -> list[str]:
-    if accelerate_launch:  # accelerate's launcher (it runs torch.distributed.run underneath)
-        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs),
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", str(free_port())]
-    if procs == 1 and "--deepspeed" not in extra:
-        return [sys.executable]
-    return torchrun(procs)
-
-
-def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str, extra=(), accelerate_launch=False):
-    env = {**os.environ, "VLMCP_CP_SIZE": str(cp_size), "OMP_NUM_THREADS": "1"}
-    launcher = _launcher(procs, extra, accelerate_launch)
-    files = ["--save-weights", str(tmp / f"{name}.pt"), "--save-logs", str(tmp / f"{name}.json")]
-    cmd = launcher + [str(SCRIPT), "--model", model, "--output-dir", str(tmp / name), *COMMON, *files, *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str, extra=(), launcher=None):
+    launcher = launcher or ("python" if procs == 1 and "--deepspeed" not in extra else "torchrun")
+    files = ["--save-weights", tmp / f"{name}.pt", "--save-logs", tmp / f"{name}.json"]
+    args = ["--model", model, "--output-dir", tmp / name, *COMMON, *files, *extra]
+    out = launch(SCRIPT, args, procs=procs, launcher=launcher, env={"VLMCP_CP_SIZE": str(cp_size)})
     assert out.returncode == 0, out.stderr[-4000:]
     entries = json.loads((tmp / f"{name}.json").read_text())
     steps = [entry for entry in entries if "train_samples_per_second" not in entry]
@@ -65,7 +50,7 @@ def runs(model: str, tmp: str):
         "ddp2": _launch(tmp, "ddp2", 2, 1, model),
     }
     if model == "tiny-qwen3-vl":
-        out["accelerate-launch"] = _launch(tmp, "acc", 2, 2, model, accelerate_launch=True)
+        out["accelerate-launch"] = _launch(tmp, "acc", 2, 2, model, launcher="accelerate")
     return out
 
 

@@ -15,27 +15,22 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness import torchrun, weight_error
+from tests.harness import ROOT, launch, weight_error
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "trl_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
 
 
 def _launch(tmp: Path, name: str, procs: int, cp_size: int, extra=()) -> tuple[dict, list]:
-    env = {**os.environ, "VLMCP_CP_SIZE": str(cp_size), "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable] if procs == 1 else torchrun(procs)
-    files = ["--save-weights", str(tmp / f"{name}.pt"), "--save-logs", str(tmp / f"{name}.json")]
-    cmd = launcher + [str(SCRIPT), "--output-dir", str(tmp / name), *COMMON, *files, *extra]
-    out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    files = ["--save-weights", tmp / f"{name}.pt", "--save-logs", tmp / f"{name}.json"]
+    args = ["--output-dir", tmp / name, *COMMON, *files, *extra]
+    out = launch(SCRIPT, args, procs=procs, launcher="python" if procs == 1 else "torchrun",
+                 env={"VLMCP_CP_SIZE": str(cp_size)})
     assert out.returncode == 0, out.stderr[-4000:]
     return torch.load(tmp / f"{name}.pt"), json.loads((tmp / f"{name}.json").read_text())
 

@@ -6,6 +6,7 @@ While the package is reverted or disabled (`VLMCP_DISABLE=1`) every helper here 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 from dataclasses import dataclass
 
@@ -53,6 +54,36 @@ def _check_world(size: int) -> int:
     return world
 
 
+def _timeout_of_default_group():
+    """The timeout the user gave the default group (init_process_group(timeout=...), the Trainer's
+    ddp_timeout): new_group does not inherit it, it would fall back to the backend's default (30 min)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        device = torch.device("cuda" if "nccl" in dist.get_backend() else "cpu")
+        return c10d._get_default_group()._get_backend(device).options._timeout
+    except Exception:  # noqa: BLE001 - a private API: without it the backend default applies
+        return None
+
+
+def _release_groups() -> None:
+    """Destroy the package's own groups while the interpreter is alive (an atexit hook): a gloo group whose
+    last reference goes away only during interpreter shutdown can abort the process there."""
+    for group in [*_GROUPS.values(), *_WORLD_GROUP.values()]:
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - already destroyed with the default group
+            pass
+    _GROUPS.clear()
+    _WORLD_GROUP.clear()
+
+
+def _new_group(ranks: list[int]):
+    if not _GROUPS and not _WORLD_GROUP:
+        atexit.register(_release_groups)
+    return dist.new_group(ranks=ranks, timeout=_timeout_of_default_group())
+
+
 def _group_for(size: int):
     world = _check_world(size)
     key = (world, size)
@@ -62,7 +93,7 @@ def _group_for(size: int):
         # the whole world: every rank creates every block, in order.
         mine = None
         for start in range(0, world, size):
-            group = dist.new_group(ranks=list(range(start, start + size)))
+            group = _new_group(list(range(start, start + size)))
             if start <= dist.get_rank() < start + size:
                 mine = group
         _GROUPS[key] = mine
@@ -106,7 +137,7 @@ def world_group():
     """A group of all ranks, separate from the default one (DeepSpeed's sequence-data-parallel group)."""
     world = dist.get_world_size()
     if world not in _WORLD_GROUP:
-        _WORLD_GROUP[world] = dist.new_group(ranks=list(range(world)))
+        _WORLD_GROUP[world] = _new_group(list(range(world)))
     return _WORLD_GROUP[world]
 
 

@@ -26,8 +26,8 @@ def shard_slice(length: int, size: int, rank: int) -> slice:
 def starts_of(text_positions: torch.Tensor) -> torch.Tensor:
     """Boolean, same shape as `text_positions` (..., S): True where a sample starts, i.e. where the position
     does not continue the previous one by +1 (the first token always starts one)."""
-    starts = torch.diff(text_positions, dim=-1) != 1
-    return torch.cat([torch.ones_like(starts[..., :1]), starts], dim=-1)
+    first = torch.ones(*text_positions.shape[:-1], 1, dtype=torch.bool, device=text_positions.device)
+    return torch.cat([first, torch.diff(text_positions, dim=-1) != 1], dim=-1)
 
 
 def segments_of(starts: Sequence[int], length: int) -> list[Segment]:

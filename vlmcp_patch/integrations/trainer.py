@@ -80,7 +80,7 @@ def patches() -> list[Patch]:
             target="transformers.trainer.Trainer.prediction_step",
             wrapper=cp_prediction_step,
             reason="under CP: the evaluation loop keeps whole-row logits for compute_metrics / predict, while "
-            "the CP forward returns local logits with labels; ask for full logits when they are kept",
+            "the CP forward builds no logits when it has labels; ask for full logits when they are kept",
             expects=("model", "inputs", "prediction_loss_only"),
             requires="transformers.trainer",
         ),

@@ -1,0 +1,126 @@
+"""`python -m vlmcp_patch`: what is installed, what is patched and why, the CP layout of this launch, the
+optional kernels found, and a self-test of about ten seconds on a tiny model (CPU)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import time
+
+import torch
+
+from .settings import SETTINGS, cp_size
+from .supported import supported_class_names
+
+PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "trl", "peft")
+KERNELS = {"flash-attn": "flash_attn", "flash-linear-attention": "fla", "causal-conv1d": "causal_conv1d"}
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def versions() -> list[str]:
+    from . import __version__
+    from .compat import BELOW, MINIMUM
+
+    lines = [f"vlmcp-patch {__version__} (transformers >={MINIMUM},<{BELOW}); Python {platform.python_version()}"]
+    lines += [f"  {name:14s} {_version(name)}" for name in PACKAGES]
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
+    lines.append(f"  {'accelerator':14s} {gpu}")
+    return lines
+
+
+def kernels() -> list[str]:
+    found = []
+    for distribution, module in KERNELS.items():
+        present = importlib.util.find_spec(module) is not None
+        found.append(f"  {distribution:24s} {_version(distribution) if present else 'not found (torch path)'}")
+    return found
+
+
+def patches(status: list[dict]) -> list[str]:
+    lines = []
+    for entry in status:
+        state = "installed" if entry["applied"] else f"waiting for `import {entry['requires']}`" if entry[
+            "requires"] else "not installed"
+        pinned = f" [source pinned {entry['mirrors']}, checked on {entry['checked_on']}]" if entry["mirrors"] else ""
+        lines.append(f"  {state:36s} {entry['target']}{pinned}\n      {entry['reason']}")
+    return lines
+
+
+def layout() -> list[str]:
+    """The CP layout of this launch, from the launcher's environment (torchrun / accelerate / deepspeed)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    size = cp_size()
+    lines = [f"  VLMCP_CP_SIZE={SETTINGS.cp_size} (in effect: {size}), world size {world}, this rank {rank}"]
+    if world % size:
+        return lines + [f"  CP size {size} does not divide the world size {world}: the first CP forward will raise"]
+    groups = [list(range(start, start + size)) for start in range(0, world, size)]
+    shown = ", ".join(str(g) for g in groups[:4]) + (" ..." if len(groups) > 4 else "")
+    lines.append(f"  CP groups (blocks of {size} consecutive ranks): {shown}")
+    lines.append(f"  data-parallel replicas: {world // size}; this rank: replica {rank // size}, position {rank % size}")
+    lines.append(f"  vision data parallelism: {'on' if SETTINGS.vision_dp else 'off'}")
+    return lines
+
+
+def self_test() -> list[tuple[str, bool, str]]:
+    """(name, passed, detail): P=1 bit-identity with stock, and a packed row against its samples one by one."""
+    from . import apply, revert
+    from .fixtures.data import Segment, make_batch, make_packed_batch
+    from .fixtures.models import build_model, tiny_qwen3_vl_config
+
+    torch.manual_seed(0)
+    model = build_model(tiny_qwen3_vl_config(), seed=0)
+    batch = make_batch([[Segment(text=5), Segment(image=(16, 24)), Segment(text=6)], [Segment(text=8)]], seed=1)
+
+    def step(inputs):
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)
+        out.loss.backward()
+        return out.loss.detach(), out.logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ours = step(batch)
+    revert()
+    try:
+        stock = step(batch)
+    finally:
+        apply()
+    identical = torch.equal(ours[0], stock[0]) and torch.equal(ours[1], stock[1]) and all(
+        torch.equal(a, b) for a, b in zip(ours[2], stock[2]))
+    results = [("P=1 forward and backward bit-identical to stock transformers", identical, "")]
+
+    row, alone = make_packed_batch([[Segment(text=4), Segment(image=(16, 16)), Segment(text=3)], [Segment(text=7)]],
+                                   seed=2)
+    with torch.no_grad():
+        packed = model(**{k: v for k, v in row.items() if k != "labels"}).logits
+        revert()
+        try:
+            separate = torch.cat([model(**{k: v for k, v in b.items() if k != "labels"}).logits for b in alone], 1)
+        finally:
+            apply()
+    err = float((packed - separate).abs().max() / separate.abs().max())
+    results.append(("packed row equals its samples run one by one (logits)", err <= 1e-5, f"rel. error {err:.1e}"))
+    return results
+
+
+def report(run_self_test: bool = True) -> tuple[str, bool]:
+    from . import status
+
+    lines = ["== versions", *versions(), "== optional kernels", *kernels(), "== CP layout of this launch", *layout(),
+             "== supported models", "  " + ", ".join(supported_class_names()), "== patches", *patches(status())]
+    ok = True
+    if run_self_test:
+        start = time.perf_counter()
+        lines.append("== self-test (tiny Qwen3-VL, CPU)")
+        for name, passed, detail in self_test():
+            ok &= passed
+            lines.append(f"  {'PASS' if passed else 'FAIL'}  {name}{'  (' + detail + ')' if detail else ''}")
+        lines.append(f"  {time.perf_counter() - start:.1f} s")
+    return "\n".join(lines), ok
