@@ -66,6 +66,16 @@ def load_model(name: str, attn: str):
     return AutoModelForImageTextToText.from_pretrained(name, attn_implementation=attn, dtype=dtype)
 
 
+def with_lora_and_frozen_vision(model):
+    """PEFT LoRA on the text attention projections, the vision tower frozen (a common VLM recipe; needs peft)."""
+    from peft import LoraConfig, get_peft_model
+
+    model.model.visual.requires_grad_(False)
+    torch.manual_seed(5)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)", init_lora_weights=False)
+    return get_peft_model(model, lora)
+
+
 def data_collator(name: str):
     """How samples become batches: synthetic samples for the tiny models, the checkpoint's processor otherwise."""
     if name in TINY:
@@ -91,7 +101,7 @@ def full_state_dict(model, accelerator=None) -> dict:
     """The trained weights on CPU, gathered where they are sharded (every rank calls this): ZeRO-3
     partitions through DeepSpeed, FSDP2 DTensors through the accelerator."""
     params = list(model.parameters())
-    if accelerator is not None and type(params[0]).__name__ == "DTensor":
+    if accelerator is not None and any(type(p).__name__ == "DTensor" for p in params):
         state = accelerator.get_state_dict(model)
         return {k: v.detach().cpu().clone() for k, v in (state or {}).items()}
     gathered = contextlib.nullcontext()
@@ -101,6 +111,19 @@ def full_state_dict(model, accelerator=None) -> dict:
         gathered = deepspeed.zero.GatheredParameters(params)
     with gathered:
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def describe_wrapper(wrapped, model) -> str:
+    """What really wraps the model (tests assert it: accelerate silently falls back to plain DDP on CPU)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return "FSDP2"
+    if type(wrapped).__name__ == "DeepSpeedEngine":
+        return f"DeepSpeed ZeRO-{wrapped.zero_optimization_stage()}"
+    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        return "DDP"
+    return "none"
 
 
 def finish_distributed() -> None:

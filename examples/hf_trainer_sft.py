@@ -12,9 +12,11 @@ through its own processor:
     VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 examples/hf_trainer_sft.py \
         --model Qwen/Qwen3-VL-2B-Instruct --attn flash_attention_2 [--deepspeed examples/ds_trainer_zero3.json]
 
-With `--deepspeed`, `--sp-size N` selects CP through Accelerate's own switch instead of VLMCP_CP_SIZE
-(`ParallelismConfig(sp_backend="deepspeed", sp_size=N)`). Rank 0 prints the logged loss and grad_norm
-of every step.
+Sharding: `--deepspeed CONFIG` (ZeRO-2 / ZeRO-3), or `--fsdp` (FSDP2: `fsdp_config={"fsdp_version": 2}`;
+the same through `accelerate launch --config_file examples/accelerate_fsdp2.yaml`). Accelerate's own switches
+select CP instead of VLMCP_CP_SIZE: `--sp-size N` with DeepSpeed
+(`ParallelismConfig(sp_backend="deepspeed", sp_size=N)`), `--cp-size N` with FSDP2 (`ParallelismConfig(cp_size=N)`).
+Rank 0 prints the logged loss and grad_norm of every step.
 """
 
 from __future__ import annotations
@@ -25,10 +27,30 @@ import os
 
 import torch
 from accelerate import ParallelismConfig
-from example_common import TINY, data_collator, finish_distributed, full_state_dict, load_model, samples, token_accuracy
+from example_common import (
+    TINY,
+    data_collator,
+    describe_wrapper,
+    finish_distributed,
+    full_state_dict,
+    load_model,
+    samples,
+    token_accuracy,
+    with_lora_and_frozen_vision,
+)
 from transformers import Trainer, TrainingArguments
 
 import vlmcp_patch  # the one line that adds context parallelism
+
+
+def parallelism_config(args):
+    """Accelerate's own switches: DeepSpeed SP (`--sp-size`) or torch CP on FSDP2 (`--cp-size`)."""
+    if args.sp_size > 1:
+        return ParallelismConfig(sp_backend="deepspeed", sp_size=args.sp_size)
+    if args.cp_size > 1:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return ParallelismConfig(cp_size=args.cp_size, dp_shard_size=world // args.cp_size)
+    return None
 
 
 def main(argv=None) -> None:
@@ -50,17 +72,34 @@ def main(argv=None) -> None:
     parser.add_argument("--save-steps", type=int, default=0, help="save a Trainer checkpoint every N steps")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     parser.add_argument("--deepspeed", help="train with DeepSpeed, this config (e.g. examples/ds_trainer_zero2.json)")
+    parser.add_argument("--fsdp", action="store_true", help="train with FSDP2 (parameters sharded over all ranks)")
+    parser.add_argument("--fsdp-state-dict", default="FULL_STATE_DICT", choices=["FULL_STATE_DICT", "SHARDED_STATE_DICT"],
+                        help="checkpoint format under FSDP2")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="FSDP2's activation checkpointing")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="the model's own gradient checkpointing")
+    parser.add_argument("--lora", action="store_true", help="PEFT LoRA on the text attention, vision tower frozen")
+    parser.add_argument("--ddp-find-unused-parameters", choices=["true", "false"],
+                        help="DDP's find_unused_parameters (the Trainer's default otherwise)")
     parser.add_argument("--sp-size", type=int, default=1,
                         help="instead of VLMCP_CP_SIZE: Accelerate's own switch, "
                         "ParallelismConfig(sp_backend='deepspeed', sp_size=N) (needs --deepspeed)")
+    parser.add_argument("--cp-size", type=int, default=1,
+                        help="instead of VLMCP_CP_SIZE: Accelerate's own switch, ParallelismConfig(cp_size=N) "
+                        "(needs FSDP2)")
     args = parser.parse_args(argv)
 
     on_cpu = not torch.cuda.is_available()
-    if args.deepspeed and on_cpu:  # accelerate would otherwise run DeepSpeed on CPU as plain multi-CPU
+    fsdp = args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"  # flag or accelerate launch
+    sharded = bool(args.deepspeed) or fsdp
+    if sharded and on_cpu:  # accelerate would otherwise run DeepSpeed / FSDP on CPU as plain multi-CPU
         from vlmcp_patch.fixtures.cpu import configure_cpu_state
 
-        configure_cpu_state("DEEPSPEED")
+        configure_cpu_state("DEEPSPEED" if args.deepspeed else "FSDP")
     model = load_model(args.model, args.attn)
+    if args.lora:
+        model = with_lora_and_frozen_vision(model)
+    if args.activation_checkpointing:  # recomputed layers must not append to a KV cache a second time
+        model.config.use_cache = model.config.get_text_config().use_cache = False
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
@@ -77,15 +116,23 @@ def main(argv=None) -> None:
         save_steps=args.save_steps or 500,
         report_to=[],
         remove_unused_columns=False,
-        use_cpu=on_cpu and not args.deepspeed,
+        use_cpu=on_cpu and not sharded,
         deepspeed=args.deepspeed,
-        parallelism_config=(
-            ParallelismConfig(sp_backend="deepspeed", sp_size=args.sp_size) if args.sp_size > 1 else None
-        ),
-        accelerator_config={"use_configured_state": True} if args.deepspeed and on_cpu else None,
+        fsdp=args.fsdp,
+        fsdp_config={"fsdp_version": 2, "state_dict_type": args.fsdp_state_dict,
+                     "activation_checkpointing": args.activation_checkpointing} if args.fsdp else None,
+        parallelism_config=parallelism_config(args),
+        accelerator_config={"use_configured_state": True} if sharded and on_cpu else None,
+        gradient_checkpointing=args.gradient_checkpointing,
+        ddp_find_unused_parameters=None if args.ddp_find_unused_parameters is None else
+        args.ddp_find_unused_parameters == "true",
         dataloader_drop_last=True,
         seed=0,
     )
+    if fsdp and on_cpu:
+        from vlmcp_patch.fixtures.cpu import configure_cpu_fsdp_state
+
+        configure_cpu_fsdp_state(training_args)
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -98,7 +145,8 @@ def main(argv=None) -> None:
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     if args.eval_samples:
         trainer.evaluate()
-    state = full_state_dict(trainer.model) if args.save_weights else None
+    state = full_state_dict(trainer.model, trainer.accelerator) if args.save_weights else None
+    wrapper = describe_wrapper(trainer.model_wrapped, trainer.model)
     if int(os.environ.get("RANK", "0")) == 0:
         logs = [entry for entry in trainer.state.log_history
                 if "loss" in entry or "eval_loss" in entry or "train_samples_per_second" in entry]
@@ -109,9 +157,10 @@ def main(argv=None) -> None:
                 print(f"eval: loss {entry['eval_loss']:.6f}")
             else:
                 print(f"step {entry['step']}: loss {entry['loss']:.6f} grad_norm {entry['grad_norm']:.6f}")
+        print(f"model wrapped by: {wrapper}")
         if args.save_logs:
             with open(args.save_logs, "w") as f:
-                json.dump(logs, f)
+                json.dump([*logs, {"wrapper": wrapper}], f)
         if args.save_weights:
             torch.save(state, args.save_weights)
 

@@ -22,7 +22,7 @@ import os
 
 import torch
 from datasets import Dataset
-from example_common import finish_distributed
+from example_common import describe_wrapper, finish_distributed, full_state_dict
 from trl import SFTConfig, SFTTrainer
 
 import vlmcp_patch  # the one line that adds context parallelism
@@ -64,6 +64,7 @@ def main(argv=None) -> None:
     parser.add_argument("--optim", default="adamw_torch", help="any TrainingArguments.optim, e.g. sgd")
     parser.add_argument("--samples", type=int, default=24)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (TRL's default on GPUs)")
+    parser.add_argument("--fsdp", action="store_true", help="train with FSDP2 (parameters sharded over all ranks)")
     parser.add_argument("--output-dir", default="out/trl_sft")
     parser.add_argument("--save-weights", help="rank 0 saves the trained state dict here (for comparisons)")
     parser.add_argument("--save-logs", help="rank 0 saves the trainer's log history here (json)")
@@ -78,6 +79,11 @@ def main(argv=None) -> None:
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         model = AutoModelForImageTextToText.from_pretrained(args.model, attn_implementation=args.attn, dtype=dtype)
         processor = AutoProcessor.from_pretrained(args.model)
+    on_cpu = not torch.cuda.is_available()
+    if args.fsdp and on_cpu:  # accelerate would otherwise run FSDP on CPU as plain multi-CPU
+        from vlmcp_patch.fixtures.cpu import configure_cpu_state
+
+        configure_cpu_state("FSDP")
     config = SFTConfig(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
@@ -90,10 +96,17 @@ def main(argv=None) -> None:
         save_strategy="no",
         report_to=[],
         bf16=args.bf16,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=on_cpu and not args.fsdp,
+        fsdp=args.fsdp,
+        fsdp_config={"fsdp_version": 2} if args.fsdp else None,
+        accelerator_config={"use_configured_state": True} if args.fsdp and on_cpu else None,
         dataloader_drop_last=True,
         seed=0,
     )
+    if args.fsdp and on_cpu:
+        from vlmcp_patch.fixtures.cpu import configure_cpu_fsdp_state
+
+        configure_cpu_fsdp_state(config)
     trainer = SFTTrainer(
         model=model,
         args=config,
@@ -102,6 +115,8 @@ def main(argv=None) -> None:
         callbacks=[vlmcp_patch.VLMCPCallback()],  # optional: setup checks and CP facts in the logs
     )
     trainer.train()
+    state = full_state_dict(trainer.model, trainer.accelerator) if args.save_weights else None
+    wrapper = describe_wrapper(trainer.model_wrapped, trainer.model)
     if int(os.environ.get("RANK", "0")) == 0:
         logs = [entry for entry in trainer.state.log_history if "loss" in entry]
         for entry in logs:
@@ -110,11 +125,12 @@ def main(argv=None) -> None:
                 f"entropy {entry['entropy']:.6f} mean_token_accuracy {entry['mean_token_accuracy']:.6f} "
                 f"num_tokens {entry['num_tokens']:.0f}"
             )
+        print(f"model wrapped by: {wrapper}")
         if args.save_logs:
             with open(args.save_logs, "w") as f:
-                json.dump(logs, f)
+                json.dump([*logs, {"wrapper": wrapper}], f)
         if args.save_weights:
-            torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}, args.save_weights)
+            torch.save(state, args.save_weights)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
-"""The HF Trainer with DDP and DeepSpeed (gloo, CPU): a stock script plus `import vlmcp_patch` trains as at P=1.
+"""The HF Trainer with DDP, DeepSpeed and FSDP2 (gloo, CPU): a stock script plus `import vlmcp_patch` trains
+as at P=1 — examples/hf_trainer_sft.py launched as a user would.
 
-Three launches of examples/hf_trainer_sft.py on the same global batches: one process at P=1; two
-processes at CP=2 (one data-parallel replica); and, as a control, two processes of stock DDP at P=1,
-which must shard the data (its weights differ) — otherwise the CP parity would prove nothing.
-SGD keeps the comparison about gradients: Adam turns rounding noise in near-zero gradient elements
-into full +-lr steps.
+The reference is one process at P=1 on the same global batches (SGD with gradient accumulation 2 and
+clipping at 1.0: Adam would turn rounding noise in near-zero gradient elements into full +-lr steps).
+DeepSpeed and FSDP on CPU are set up as accelerate sets them up on GPUs, and every run reports what really
+wraps the model: a silent fallback to plain DDP cannot pass. Stock two-process controls show the data
+really is sharded there (their weights differ), so the CP parity is not trivial.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import tempfile
@@ -22,176 +22,201 @@ from tests.harness import ROOT, launch, weight_error
 
 SCRIPT = ROOT / "examples" / "hf_trainer_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
+VL, Q35 = "tiny-qwen3-vl", "tiny-qwen3.5"
 
 
-def _launch(tmp: Path, name: str, procs: int, cp_size: int, model: str, extra=(), launcher=None):
-    launcher = launcher or ("python" if procs == 1 and "--deepspeed" not in extra else "torchrun")
-    files = ["--save-weights", tmp / f"{name}.pt", "--save-logs", tmp / f"{name}.json"]
-    args = ["--model", model, "--output-dir", tmp / name, *COMMON, *files, *extra]
-    out = launch(SCRIPT, args, procs=procs, launcher=launcher, env={"VLMCP_CP_SIZE": str(cp_size)})
+def _deepspeed(stage: int) -> list:
+    return ["--deepspeed", ROOT / "examples" / f"ds_trainer_zero{stage}.json"]
+
+
+def _launch(name: str, procs: int, cp_size: int, model: str, extra=(), launcher=None, common=COMMON):
+    """(trained weights, per-step logs, what wrapped the model); the run's files live in a fresh folder."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    launcher = launcher or ("python" if procs == 1 and "--deepspeed" not in map(str, extra) else "torchrun")
+    files = ["--save-weights", tmp / "w.pt", "--save-logs", tmp / "log.json"]
+    args = ["--model", model, "--output-dir", tmp / "out", *common, *files, *extra]
+    out = launch(SCRIPT, args, procs=procs, launcher=launcher, env={"VLMCP_CP_SIZE": str(cp_size)}, timeout=400)
     assert out.returncode == 0, out.stderr[-4000:]
-    entries = json.loads((tmp / f"{name}.json").read_text())
-    steps = [entry for entry in entries if "train_samples_per_second" not in entry]
-    return torch.load(tmp / f"{name}.pt"), steps
+    entries = json.loads((tmp / "log.json").read_text())
+    wrapper = next(e["wrapper"] for e in entries if "wrapper" in e)
+    steps = [e for e in entries if "loss" in e or "eval_loss" in e]
+    return Run(torch.load(tmp / "w.pt"), steps, wrapper, tmp / "out",
+               next(e for e in entries if "train_samples_per_second" in e))
 
 
-def samples_trained(tmp: Path, name: str) -> float:
-    """Samples in the run summary (samples per second x runtime): the Trainer's count of replicas at work."""
-    summary = next(e for e in json.loads((tmp / f"{name}.json").read_text()) if "train_samples_per_second" in e)
-    return summary["train_samples_per_second"] * summary["train_runtime"]
+class Run:
+    def __init__(self, weights, steps, wrapper, output, summary):
+        self.weights, self.steps, self.wrapper, self.output, self.summary = weights, steps, wrapper, output, summary
+
+    @property
+    def train(self):
+        return [e for e in self.steps if "loss" in e]
+
+    @property
+    def evaluation(self):
+        return [e for e in self.steps if "eval_loss" in e]
 
 
 @functools.cache
-def runs(model: str, tmp: str):
-    tmp = Path(tmp)
-    out = {
-        "p1": _launch(tmp, "p1", 1, 1, model),
-        "cp2": _launch(tmp, "cp2", 2, 2, model),
-        "ddp2": _launch(tmp, "ddp2", 2, 1, model),
-    }
-    if model == "tiny-qwen3-vl":
-        out["accelerate-launch"] = _launch(tmp, "acc", 2, 2, model, launcher="accelerate")
-    return out
+def p1(model: str) -> Run:
+    """The P=1 reference of every two-process comparison (with a checkpoint after step 2)."""
+    return _launch(f"p1-{model}", 1, 1, model, ["--save-steps", "2"])
 
 
-
-@pytest.mark.parametrize("model", ["tiny-qwen3-vl", "tiny-qwen3.5"])
-def test_trainer_ddp_cp2_equals_p1(model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(model)
-    r = runs(model, str(tmp))
-    (w1, log1), (wd, _) = r["p1"], r["ddp2"]
-    assert weight_error(wd, w1) > 1e-2, "stock DDP on two processes did not shard the data"
-    for w2, log2 in [r[name] for name in ("cp2", "accelerate-launch") if name in r]:
-        _check_same_training(w1, log1, w2, log2)
-    # The Trainer's own counts: 3 steps x accumulation 2 x batch 2 samples, and the same tokens, as at P=1.
-    assert round(samples_trained(tmp, "p1")) == round(samples_trained(tmp, "cp2")) == 12
-    assert [e["num_input_tokens_seen"] for e in log1] == [e["num_input_tokens_seen"] for e in r["cp2"][1]]
-
-
-def _check_same_training(w1, log1, w2, log2):
-    assert weight_error(w2, w1) <= 1e-4
-    assert len(log1) == len(log2) == 3  # no evaluation in these runs
-    for a, b in zip(log1, log2):
+def assert_trains_like(run: Run, reference: Run, cp_size: int = 2, dp_size: int = 1, clipped: bool = True) -> None:
+    assert weight_error(run.weights, reference.weights) <= 1e-4
+    assert len(run.train) == len(reference.train) == 3
+    for a, b in zip(reference.train, run.train):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"])
-        # VLMCPCallback's facts ride along with the Trainer's logs at CP=2 only.
-        assert b["cp_size"] == 2 and b["cp_data_parallel_size"] == 1 and "cp_size" not in a
+        # VLMCPCallback's facts ride along with the Trainer's logs under CP only.
+        assert b["cp_size"] == cp_size and b["cp_data_parallel_size"] == dp_size and "cp_size" not in a
         assert b["cp_tokens_per_rank"] > 0 and 0 <= b["cp_padding"] < 1
+    if clipped:
+        assert any(e["grad_norm"] > 1.0 for e in reference.train), "gradient clipping (at 1.0) was never exercised"
 
 
-def test_trainer_cp2_dp2_trains_and_evaluates_like_p1(tmp_path):
-    """Four processes = 2 data-parallel replicas of CP=2, against one process accumulating both replicas'
-    micro-batches: the same global batches, the same steps, the same evaluation loss and metrics."""
-    replica = ["--batch-size", "1", "--eval-samples", "12"]
-    w1, log1 = _launch(tmp_path, "one", 1, 1, "tiny-qwen3-vl", [*replica, "--grad-accum", "4"])
-    w4, log4 = _launch(tmp_path, "four", 4, 2, "tiny-qwen3-vl", [*replica, "--grad-accum", "2"])
-    assert weight_error(w4, w1) <= 1e-4
-    train1, train4 = ([e for e in log if "loss" in e] for log in (log1, log4))
-    assert len(train1) == len(train4) == 3
-    for a, b in zip(train1, train4):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"])
-    eval1, eval4 = ([e for e in log if "eval_loss" in e] for log in (log1, log4))
-    assert len(eval1) == len(eval4) == 1
-    assert abs(eval1[0]["eval_loss"] - eval4[0]["eval_loss"]) <= 1e-5 * abs(eval1[0]["eval_loss"])
-    # compute_metrics sees whole rows (full logits) and every sample once (not once per CP rank).
-    assert eval1[0]["eval_scored_tokens"] == eval4[0]["eval_scored_tokens"]
-    one_token = 1 / eval1[0]["eval_scored_tokens"]  # an argmax near a tie may flip with rounding; garbage would not
-    assert abs(eval1[0]["eval_accuracy"] - eval4[0]["eval_accuracy"]) <= one_token
+# --------------------------------------------------------------------------------------------------------
+# DDP
 
 
-def _deepspeed(stage: int) -> list[str]:
-    return ["--deepspeed", str(ROOT / "examples" / f"ds_trainer_zero{stage}.json")]
+@pytest.mark.parametrize("model,launcher", [(VL, "torchrun"), (Q35, "accelerate")])
+def test_ddp_cp2_equals_p1(model, launcher):
+    run = _launch(f"ddp-cp2-{model}", 2, 2, model, launcher=launcher)
+    assert run.wrapper == "DDP"
+    assert_trains_like(run, p1(model))
+    # The Trainer's own counts: 3 steps x accumulation 2 x batch 2 samples, and the same tokens, as at P=1.
+    samples = [r.summary["train_samples_per_second"] * r.summary["train_runtime"] for r in (run, p1(model))]
+    assert [round(s) for s in samples] == [12, 12]
+    assert [e["num_input_tokens_seen"] for e in run.train] == [e["num_input_tokens_seen"] for e in p1(model).train]
 
 
-@functools.cache
-def deepspeed_runs(model: str, stage: int) -> dict:
-    """P=1 on one process, CP=2 by VLMCP_CP_SIZE and CP=2 by Accelerate's own switch (sp_size=2)."""
-    tmp, ds = Path(tempfile.mkdtemp()), _deepspeed(stage)
-    return {
-        "p1": _launch(tmp, "p1", 1, 1, model, ds),
-        "cp2": _launch(tmp, "cp2", 2, 2, model, ds),
-        "sp2": _launch(tmp, "sp2", 2, 1, model, [*ds, "--sp-size", "2"]),
-    }
+def test_stock_ddp_on_two_processes_shards_the_data():
+    run = _launch("ddp-stock", 2, 1, VL)
+    assert run.wrapper == "DDP" and weight_error(run.weights, p1(VL).weights) > 1e-2
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("model", ["tiny-qwen3-vl", "tiny-qwen3.5"])
-def test_trainer_deepspeed_cp2_equals_p1(model, stage):
-    """HF Trainer on DeepSpeed, set up on CPU the way accelerate sets it up on GPUs (see the example's
-    `configure_cpu_deepspeed_state`): CP=2 from VLMCP_CP_SIZE and from
-    `ParallelismConfig(sp_backend="deepspeed", sp_size=2)` both train like one process. For Qwen3.5
-    stock accelerate refuses that switch (DeltaNet layers); for Qwen3-VL ALST fails on the batch."""
+# --------------------------------------------------------------------------------------------------------
+# DeepSpeed: CP from VLMCP_CP_SIZE, or from Accelerate's ParallelismConfig(sp_backend="deepspeed", sp_size=2),
+# which stock accelerate refuses for Qwen3.5 (DeltaNet layers) and runs wrongly for Qwen3-VL.
+
+
+@pytest.mark.parametrize("model,stage,switch", [(VL, 3, "env"), (VL, 2, "sp"), (Q35, 2, "env"), (Q35, 3, "sp")])
+def test_deepspeed_cp2_equals_p1(model, stage, switch):
     pytest.importorskip("deepspeed")
-    r = deepspeed_runs(model, stage)
-    w1, log1 = r["p1"]
-    assert any(entry["grad_norm"] > 1.0 for entry in log1), "gradient clipping (at 1.0) was never exercised"
-    for name in ("cp2", "sp2"):
-        w2, log2 = r[name]
-        assert weight_error(w2, w1) <= 1e-4, name
-        assert len(log1) == len(log2) == 3
-        for a, b in zip(log1, log2):
-            assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), name
-            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"]), name
-            assert b["cp_size"] == 2 and b["cp_data_parallel_size"] == 1, name
+    cp_size, extra = (2, []) if switch == "env" else (1, ["--sp-size", "2"])
+    run = _launch(f"ds{stage}-{switch}-{model}", 2, cp_size, model, [*_deepspeed(stage), *extra])
+    assert run.wrapper == f"DeepSpeed ZeRO-{stage}"
+    assert_trains_like(run, p1(model))
 
 
-def test_trainer_deepspeed_stock_two_processes_shard_the_data(tmp_path):
-    pytest.importorskip("deepspeed")
-    w1, _ = deepspeed_runs("tiny-qwen3-vl", 2)["p1"]
-    wd, _ = _launch(tmp_path, "ds2", 2, 1, "tiny-qwen3-vl", _deepspeed(2))
-    assert weight_error(wd, w1) > 1e-2
+# --------------------------------------------------------------------------------------------------------
+# FSDP2: CP from VLMCP_CP_SIZE (fsdp_config route and accelerate launch with an FSDP2 config file), or from
+# Accelerate's ParallelismConfig(cp_size=2), which stock accelerate runs wrongly for Qwen3-VL ("Image features
+# and image tokens do not match") and refuses for Qwen3.5.
 
 
-def test_trainer_zero3_cp2_dp2_mixed_modality_equals_one_process(tmp_path):
-    """Four processes = 2 replicas of CP=2 under ZeRO-3, where one replica's micro-batch is text-only
-    while the other's has images (stock ZeRO-3 hangs there: the text-only ranks skip the vision tower's
-    weight all-gathers). Placeholder vision passes keep them matched; the weights equal one process
-    accumulating both replicas' micro-batches (ZeRO-2, which has no such collectives)."""
-    pytest.importorskip("deepspeed")
-    replica = ["--batch-size", "1"]
-    w1, log1 = _launch(tmp_path, "one", 1, 1, "tiny-qwen3-vl", [*replica, "--grad-accum", "4", *_deepspeed(2)])
-    w4, log4 = _launch(tmp_path, "four", 4, 2, "tiny-qwen3-vl", [*replica, "--grad-accum", "2", *_deepspeed(3)])
-    assert sum(entry.get("cp_vision_placeholder_passes", 0) for entry in log4) > 0, "no mixed-modality step ran"
-    assert weight_error(w4, w1) <= 1e-4
-    for a, b in zip(log1, log4):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(a["grad_norm"])
+@pytest.mark.parametrize("model,route", [(VL, "fsdp_config"), (Q35, "parallelism_config"), (VL, "accelerate_launch")])
+def test_fsdp2_cp2_equals_p1(model, route):
+    extra, cp_size, launcher = {
+        "fsdp_config": (["--fsdp"], 2, None),
+        "parallelism_config": (["--fsdp", "--cp-size", "2", "--activation-checkpointing"], 1, None),
+        "accelerate_launch": ([], 2, "accelerate_fsdp2"),
+    }[route]
+    run = _launch(f"fsdp-{route}-{model}", 2, cp_size, model, extra, launcher=launcher)
+    assert run.wrapper == "FSDP2"
+    assert_trains_like(run, p1(model))
 
 
-def test_trainer_checkpoints_under_cp_are_stock_and_resume_exactly(tmp_path):
-    """CP=2 saves Trainer checkpoints in the unchanged format (stock `from_pretrained` loads them, and they
-    hold the P=1 weights), and resuming one under CP continues as the uninterrupted P=1 run."""
+def test_fsdp2_lora_with_a_frozen_vision_tower_cp2_equals_p1():
+    """PEFT LoRA on the text attention, vision tower frozen, FSDP2 and CP=2: only the adapters train, as at P=1."""
+    reference = _launch("p1-lora", 1, 1, VL, ["--lora"])
+    run = _launch("fsdp-lora", 2, 2, VL, ["--fsdp", "--lora"])
+    assert run.wrapper == "FSDP2"
+    assert_trains_like(run, reference, clipped=False)
+    changed = [k for k in reference.weights if "lora" not in k and not torch.equal(reference.weights[k],
+                                                                                     run.weights[k])]
+    assert not changed, changed  # the frozen weights stayed as they were
+
+
+def test_stock_fsdp2_on_two_processes_shards_the_data():
+    run = _launch("fsdp-stock", 2, 1, VL, ["--fsdp"])
+    assert run.wrapper == "FSDP2" and weight_error(run.weights, p1(VL).weights) > 1e-2
+
+
+def test_fsdp2_checkpoints_under_cp_load_as_p1_and_resume_exactly():
+    """FSDP2 + CP=2: a FULL_STATE_DICT checkpoint loads with stock `from_pretrained` and holds the P=1 weights
+    after the same steps; a SHARDED_STATE_DICT (DCP) checkpoint resumes under CP exactly as the P=1 run goes on."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    common = ["--output-dir", str(tmp_path / "cp2"), "--save-steps", "2"]
-    _launch(tmp_path, "cp2-first-two", 2, 2, "tiny-qwen3-vl", [*common, "--steps", "2"])
-    w_resumed, log = _launch(tmp_path, "cp2-resumed", 2, 2, "tiny-qwen3-vl", [*common, "--steps", "3", "--resume"])
-    w1_two, _ = _launch(tmp_path, "p1-two", 1, 1, "tiny-qwen3-vl", ["--steps", "2"])
-    w1_three, log1 = _launch(tmp_path, "p1-three", 1, 1, "tiny-qwen3-vl", ["--steps", "3"])
-    assert [entry["step"] for entry in log] == [1, 2, 3]  # steps 1-2 from the checkpoint's trainer state
-    assert abs(log[2]["loss"] - log1[2]["loss"]) <= 1e-5 * abs(log1[2]["loss"])
-    with vlmcp_disabled_patches():
-        saved = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "cp2" / "checkpoint-2").state_dict()
-    assert weight_error(saved, w1_two) <= 1e-4
-    assert weight_error(w_resumed, w1_three) <= 1e-4
-
-
-@contextlib.contextmanager
-def vlmcp_disabled_patches():
     import vlmcp_patch
 
+    full = _launch("fsdp-full", 2, 2, VL, ["--fsdp", "--save-steps", "2", "--steps", "2"], common=COMMON[2:])
+    sharded = ["--fsdp", "--fsdp-state-dict", "SHARDED_STATE_DICT", "--save-steps", "2"]
+    first = _launch("fsdp-sharded", 2, 2, VL, [*sharded, "--steps", "2"], common=COMMON[2:])
+    resumed = _launch("fsdp-resumed", 2, 2, VL, [*sharded, "--output-dir", first.output, "--resume"])
     vlmcp_patch.revert()
     try:
-        yield
+        load = Qwen3VLForConditionalGeneration.from_pretrained
+        saved, reference = (load(run.output / "checkpoint-2").state_dict() for run in (full, p1(VL)))
     finally:
         vlmcp_patch.apply()
+    assert weight_error(saved, reference) <= 1e-4
+    assert [e["step"] for e in resumed.train] == [1, 2, 3]  # steps 1-2 from the checkpoint's trainer state
+    assert abs(resumed.train[2]["loss"] - p1(VL).train[2]["loss"]) <= 1e-5 * abs(p1(VL).train[2]["loss"])
+    assert weight_error(resumed.weights, p1(VL).weights) <= 1e-4
+
+
+# --------------------------------------------------------------------------------------------------------
+# CP=2 x DP=2 on four processes: two replicas whose micro-batches mix text-only and image samples, against one
+# process accumulating both replicas' micro-batches (the same global batches). Stock DDP without
+# find_unused_parameters, ZeRO-2 and FSDP2 fail there (gradient buckets / reduce-scatters differ) and ZeRO-3
+# hangs (weight gathers differ): placeholder vision passes keep them matched.
+
+REPLICA = ["--batch-size", "1", "--eval-samples", "12"]
+
+
+@functools.cache
+def one_process_of_two_replicas() -> Run:
+    return _launch("replicas-p1", 1, 1, VL, [*REPLICA, "--grad-accum", "4"])
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "zero2", "zero3", "fsdp2"])
+def test_cp2_dp2_mixed_modality_trains_and_evaluates_like_one_process(wrapper):
+    if wrapper.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    extra = {"ddp": ["--ddp-find-unused-parameters", "false", "--gradient-checkpointing"],
+             "zero2": _deepspeed(2), "zero3": _deepspeed(3), "fsdp2": ["--fsdp"]}[wrapper]
+    run = _launch(f"replicas-{wrapper}", 4, 2, VL, [*REPLICA, "--grad-accum", "2", *extra])
+    assert run.wrapper == {"ddp": "DDP", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3", "fsdp2": "FSDP2"}[
+        wrapper]
+    reference = one_process_of_two_replicas()
+    assert sum(e.get("cp_vision_placeholder_passes", 0) for e in run.train) > 0, "no mixed-modality step ran"
+    assert_trains_like(run, reference, dp_size=2, clipped=False)
+    (ev1,), (ev4,) = reference.evaluation, run.evaluation
+    assert abs(ev1["eval_loss"] - ev4["eval_loss"]) <= 1e-5 * abs(ev1["eval_loss"])
+    # compute_metrics sees whole rows (full logits) and every sample once (not once per CP rank).
+    assert ev1["eval_scored_tokens"] == ev4["eval_scored_tokens"]
+    one_token = 1 / ev1["eval_scored_tokens"]  # an argmax near a tie may flip with rounding; garbage would not
+    assert abs(ev1["eval_accuracy"] - ev4["eval_accuracy"]) <= one_token
+
+
+# --------------------------------------------------------------------------------------------------------
+# Setup checks
+
+
+def test_an_unsupported_model_under_cp_is_refused_before_the_first_step():
+    """A model the package does not run under CP would train on P copies of each batch with P times the
+    gradient: the Trainer integration refuses it when the Trainer is built."""
+    out = launch(ROOT / "tests" / "unsupported_trainer_script.py", procs=2, env={"VLMCP_CP_SIZE": "2"})
+    assert out.returncode != 0
+    assert "UnsupportedSetupError" in out.stderr and "Qwen3ForCausalLM is not supported under CP" in out.stderr
+    assert "'loss'" not in out.stdout  # no training step was logged
 
 
 def test_callback_rejects_bad_setups_before_training():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     import vlmcp_patch
+    from tests.error_cases import qwen3_text_model
     from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
 
     vlmcp_patch.enable(cp_size=2)
@@ -199,9 +224,7 @@ def test_callback_rejects_bad_setups_before_training():
         with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="eager"):
             vlmcp_patch.check_cp_setup(build_model(tiny_qwen3_vl_config(attn_implementation="eager")))
         with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="Qwen3VLForConditionalGeneration"):
-            vlmcp_patch.check_cp_setup(Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, num_hidden_layers=1,
-                                                                   num_attention_heads=2, num_key_value_heads=1,
-                                                                   intermediate_size=32, head_dim=8)))
+            vlmcp_patch.check_cp_setup(qwen3_text_model())
         with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="3 query heads"):
             vlmcp_patch.check_cp_setup(build_model(tiny_qwen3_vl_config(num_attention_heads=3, num_key_value_heads=1)))
         with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="needs torch.distributed"):

@@ -26,28 +26,27 @@ SCRIPT = ROOT / "examples" / "trl_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
 
 
-def _launch(tmp: Path, name: str, procs: int, cp_size: int, extra=()) -> tuple[dict, list]:
+def _launch(tmp: Path, name: str, procs: int, cp_size: int, extra=()) -> tuple[dict, list, str]:
+    tmp.mkdir(parents=True, exist_ok=True)
     files = ["--save-weights", tmp / f"{name}.pt", "--save-logs", tmp / f"{name}.json"]
     args = ["--output-dir", tmp / name, *COMMON, *files, *extra]
     out = launch(SCRIPT, args, procs=procs, launcher="python" if procs == 1 else "torchrun",
                  env={"VLMCP_CP_SIZE": str(cp_size)})
     assert out.returncode == 0, out.stderr[-4000:]
-    return torch.load(tmp / f"{name}.pt"), json.loads((tmp / f"{name}.json").read_text())
+    entries = json.loads((tmp / f"{name}.json").read_text())
+    wrapper = next(e["wrapper"] for e in entries if "wrapper" in e)
+    return torch.load(tmp / f"{name}.pt"), [e for e in entries if "loss" in e], wrapper
 
 
 @functools.cache
 def runs(tmp: str):
     tmp = Path(tmp)
-    return {"p1": _launch(tmp, "p1", 1, 1), "cp2": _launch(tmp, "cp2", 2, 2), "ddp2": _launch(tmp, "ddp2", 2, 1)}
+    return {"p1": _launch(tmp, "p1", 1, 1), "cp2": _launch(tmp, "cp2", 2, 2), "ddp2": _launch(tmp, "ddp2", 2, 1),
+            "fsdp-cp2": _launch(tmp, "fsdp-cp2", 2, 2, ["--fsdp"])}
 
 
-
-def test_sft_trainer_cp2_equals_p1(tmp_path_factory):
-    pytest.importorskip("trl")
-    pytest.importorskip("datasets")
-    r = runs(str(tmp_path_factory.mktemp("trl")))
-    (w1, log1), (w2, log2), (wd, logd) = r["p1"], r["cp2"], r["ddp2"]
-    assert weight_error(wd, w1) > 1e-2, "stock DDP on two processes did not shard the data"
+def _assert_same_training(run, reference):
+    (w1, log1, _), (w2, log2, _) = reference, run
     assert weight_error(w2, w1) <= 1e-4
     assert len(log1) == len(log2) == 3
     for a, b in zip(log1, log2):
@@ -58,6 +57,24 @@ def test_sft_trainer_cp2_equals_p1(tmp_path_factory):
         # VLMCPCallback's facts ride along at CP=2 only; tokens per rank > 0: the CP forward ran.
         assert b["cp_size"] == 2 and b["cp_data_parallel_size"] == 1 and "cp_size" not in a
         assert b["cp_tokens_per_rank"] > 0
+
+
+@pytest.mark.parametrize("wrapper", ["DDP", "FSDP2"])
+def test_sft_trainer_cp2_equals_p1(wrapper, tmp_path_factory):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    r = runs(str(tmp_path_factory.getbasetemp() / "trl"))
+    run = r["cp2" if wrapper == "DDP" else "fsdp-cp2"]
+    assert run[2] == wrapper
+    _assert_same_training(run, r["p1"])
+
+
+def test_stock_sft_trainer_on_two_processes_shards_the_data(tmp_path_factory):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    r = runs(str(tmp_path_factory.getbasetemp() / "trl"))
+    (w1, log1, _), (wd, logd, _) = r["p1"], r["ddp2"]
+    assert weight_error(wd, w1) > 1e-2, "stock DDP on two processes did not shard the data"
     # The control's token count covers both replicas' batches: twice P=1's micro-batches per step.
     assert logd[0]["num_tokens"] != log1[0]["num_tokens"]
 
@@ -68,10 +85,9 @@ def test_sft_trainer_cp2_bf16_mixed_precision(tmp_path):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
     bf16 = ["--bf16", "--steps", "2"]
-    _, log1 = _launch(tmp_path, "p1", 1, 1, bf16)
-    _, log2 = _launch(tmp_path, "cp2", 2, 2, bf16)
+    _, log1, _ = _launch(tmp_path, "p1", 1, 1, bf16)
+    _, log2, _ = _launch(tmp_path, "cp2", 2, 2, bf16)
     assert len(log1) == len(log2) == 2
     for a, b in zip(log1, log2):  # bf16 rounding differs between the layouts: loose
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(a["loss"])
         assert b["cp_size"] == 2 and b["cp_tokens_per_rank"] > 0
-

@@ -52,9 +52,9 @@ class RowLayout:
     def to_caller(self, x: torch.Tensor, batch_dim: int = 0, fill=0) -> torch.Tensor:
         """(..., 1, tokens, ...) -> (..., batch, width, ...), padding positions set to `fill`."""
         row = x.squeeze(batch_dim)
-        shape = [*row.shape[:batch_dim], self.batch * self.width, *row.shape[batch_dim + 1 :]]
-        out = row.new_full(shape, fill).index_copy(batch_dim, self.index.to(x.device), row)
-        return out.unflatten(batch_dim, (self.batch, self.width))
+        out = row.new_full((*row.shape[:batch_dim], self.batch, self.width, *row.shape[batch_dim + 1 :]), fill)
+        out.flatten(batch_dim, batch_dim + 1).index_copy_(batch_dim, self.index.to(x.device), row)
+        return out  # a tensor of its own, not a view (FSDP2 hooks a module's outputs for backward)
 
 
 @dataclass

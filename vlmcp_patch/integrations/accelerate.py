@@ -35,6 +35,7 @@ def cp_prepare_data_loader(wrapped, instance, args, kwargs):
     if cp_running():
         kwargs["num_processes"] = data_parallel_world_size()
         kwargs["process_index"] = data_parallel_rank()
+        kwargs["torch_device_mesh"] = None  # with a mesh, accelerate would derive its own sharding instead
     return wrapped(*args, **kwargs)
 
 
@@ -85,7 +86,7 @@ def patches() -> list[Patch]:
             wrapper=cp_prepare_data_loader,
             reason="under CP: shard batches over the W/P data-parallel replicas so the ranks of a CP group get "
             "the same micro-batches",
-            expects=("dataloader", "num_processes", "process_index"),
+            expects=("dataloader", "num_processes", "process_index", "torch_device_mesh"),
             requires="accelerate",
         ),
         Patch(

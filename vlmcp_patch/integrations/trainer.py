@@ -19,13 +19,13 @@ from ..distributed import cp_running
 from ..flags import FULL_LOGITS, ONE_COPY_PER_CP_GROUP, scoped
 from ..patching import Patch
 from ..settings import cp_size
-from .parallelism_config import take_over_sequence_parallelism
+from .parallelism_config import take_over_trainer_config
 from .setup import check_cp_setup
 
 
 def cp_create_accelerator(wrapped, instance, args, kwargs):
+    take_over_trainer_config(instance)
     result = wrapped(*args, **kwargs)
-    take_over_sequence_parallelism(instance.accelerator, instance.model)
     check_cp_setup(instance.model)
     return result
 

@@ -41,6 +41,21 @@ def _gathered_to_caller(ctx, x: torch.Tensor) -> torch.Tensor:
     return full.bool() if flag else full
 
 
+def _unshard_head(model) -> None:
+    """Under FSDP2, gather the LM head's weights the way its own forward would.
+
+    TRL's head reads `lm_head.weight` without calling the module; a sharded weight then goes through
+    `DTensor.full_tensor()`, whose backward keeps each rank's own gradient shard unreduced — under CP each
+    rank holds only its slice's part. Unsharded here, the weight is a plain tensor and FSDP2 reduce-scatters
+    its gradient at the end of backward (its final callback handles groups left unsharded).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    head = model.get_output_embeddings()
+    if isinstance(head, FSDPModule):
+        head.unshard()
+
+
 def cp_fused_lm_head_forward(model, fused, args, kwargs):
     """TRL's fused-head forward `fused` of `model` under CP (or on a packed row at P=1)."""
     if not kwargs.get("fused_lm_head") or BYPASS.get():
@@ -54,6 +69,7 @@ def cp_fused_lm_head_forward(model, fused, args, kwargs):
         return fused(*args, **kwargs)
     full = call.pop("shift_labels", None)
     local = None if full is None else ctx.shard(full, dim=1, value=IGNORE_INDEX)
+    _unshard_head(model)
     with ctx.running():  # TRL calls the backbone, whose decoder takes the context
         out = fused(**call, fused_lm_head=True, shift_labels=local)
     fields = {}
@@ -61,7 +77,7 @@ def cp_fused_lm_head_forward(model, fused, args, kwargs):
         x = getattr(out, name)
         if x is not None:
             x = _gathered_to_caller(ctx, x)
-            x = x[:, :-1] if trl_shifts else x
+            x = x[:, :-1].contiguous() if trl_shifts else x  # a copy, not a view of the gathered tensor
         fields[name] = x
     count = fields["label_mask"].sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return type(out)(loss=-fields["log_probs"].sum() / count, aux_loss=out.aux_loss, **fields)

@@ -35,8 +35,12 @@ _INPUTS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_
 
 
 def _partitioned(module) -> bool:
+    """The module's weights are gathered when it runs (ZeRO-3, FSDP2), in evaluation too. Inside an FSDP2
+    forward the parameters may be unsharded at the moment: the wrapped submodules tell."""
+    from torch.distributed.fsdp import FSDPModule
+
     param = next(module.parameters(), None)
-    return param is not None and (hasattr(param, "ds_id") or type(param).__name__ == "DTensor")
+    return (param is not None and hasattr(param, "ds_id")) or any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def matching_required(model) -> bool:
