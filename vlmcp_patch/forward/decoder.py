@@ -36,8 +36,9 @@ def cut_decoder_inputs(instance, call: dict, ctx: CPContext) -> None:
         embeds = instance.embed_tokens(input_ids)
     batch, seq = embeds.shape[:2]
     positions = _three_rows(call.pop("position_ids", None), batch, seq, embeds.device)
-    call["position_ids"] = ctx.shard(positions, dim=-1)
-    call["inputs_embeds"] = ctx.shard(embeds, dim=1)
+    # Copies, not views: a saved view would keep the whole row's tensor alive on every rank until backward.
+    call["position_ids"] = ctx.shard(positions, dim=-1).clone()
+    call["inputs_embeds"] = ctx.shard(embeds, dim=1).clone()
     call["attention_mask"] = None
     call["past_key_values"] = None
     call["use_cache"] = False

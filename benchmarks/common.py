@@ -1,0 +1,252 @@
+"""What the benchmarks share: models with the released models' per-token proportions (fewer layers), the
+samples they run, and the probes that measure memory and traffic inside each rank.
+
+Run the benchmarks from the repository root as modules (`python -m benchmarks.memory`); every number they
+print comes from one run, as ratios between the CP sizes of that run.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from vlmcp_patch.fixtures.data import Segment, make_packed_batch
+from vlmcp_patch.fixtures.models import build_model
+
+MIB = 2**20
+
+
+def qwen3_vl_2b_like(layers: int = 2, vision_depth: int = 3):
+    """Qwen3-VL-2B's vocabulary, hidden size and heads (text: 16 query / 8 KV heads of 128; vision: 1024
+    wide, 16 heads, patch 16, three deepstack levels), with `layers` decoder layers."""
+    from transformers import Qwen3VLConfig
+
+    from vlmcp_patch.fixtures.data import (
+        IMAGE_TOKEN_ID,
+        VIDEO_TOKEN_ID,
+        VISION_END_TOKEN_ID,
+        VISION_START_TOKEN_ID,
+    )
+
+    text = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20]})
+    vision = dict(depth=vision_depth, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048,
+                  num_position_embeddings=2304, deepstack_visual_indexes=list(range(vision_depth)))
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID,
+                           video_token_id=VIDEO_TOKEN_ID, vision_start_token_id=VISION_START_TOKEN_ID,
+                           vision_end_token_id=VISION_END_TOKEN_ID, tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def qwen3_5_like(layers: int = 4, vision_depth: int = 3):
+    """Qwen3.5's vocabulary and heads (16 query / 4 KV heads of 256; DeltaNet 16 key / 32 value heads of 128)
+    with hidden size 2048, `layers` layers in its pattern (three DeltaNet, then full attention)."""
+    from transformers import Qwen3_5Config
+
+    from vlmcp_patch.fixtures.data import (
+        IMAGE_TOKEN_ID,
+        VIDEO_TOKEN_ID,
+        VISION_END_TOKEN_ID,
+        VISION_START_TOKEN_ID,
+    )
+
+    kinds = ["linear_attention"] * 3 + ["full_attention"]
+    text = dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
+                layer_types=[kinds[i % 4] for i in range(layers)], num_attention_heads=16, num_key_value_heads=4,
+                head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=65536,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [11, 11, 10]})
+    vision = dict(depth=vision_depth, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048,
+                  num_position_embeddings=2304)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID,
+                           video_token_id=VIDEO_TOKEN_ID, vision_start_token_id=VISION_START_TOKEN_ID,
+                           vision_end_token_id=VISION_END_TOKEN_ID, tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+MODELS = {"qwen3-vl": qwen3_vl_2b_like, "qwen3.5": qwen3_5_like}
+
+S = Segment
+# Packed rows of two samples each (a packed row also takes the package's path at P=1: the CP path's own
+# one-rank baseline). Text-heavy: one picture per sample and long text. Image-heavy: eight pictures of
+# mixed sizes, little text.
+SAMPLES = {
+    "text-heavy": [[S(text=700), S(image=(256, 256)), S(text=240)], [S(text=500), S(image=(224, 320)), S(text=300)]],
+    "image-heavy": [
+        [S(text=12), S(image=(448, 448)), S(text=6), S(image=(224, 224)), S(text=6), S(image=(320, 224)),
+         S(text=6), S(image=(256, 256)), S(text=20)],
+        [S(text=10), S(image=(384, 256)), S(text=6), S(image=(224, 224)), S(text=6), S(image=(256, 448)),
+         S(text=6), S(image=(224, 320)), S(text=20)],
+    ],
+}
+
+
+def real_image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": 32 * 32, "longest_edge": 2048 * 32 * 32})
+
+
+def packed_sample(name: str) -> dict:
+    """The packed row of SAMPLES[name], its pictures processed for a patch-16 vision tower."""
+    return make_packed_batch(SAMPLES[name], seed=0, processor=real_image_processor())[0]
+
+
+def build_benchmark_model(name: str):
+    """The model, its (tied) embeddings frozen: their gradient would be the largest tensor of every rank and
+    does not depend on P; activations do not change."""
+    model = build_model(MODELS[name](), seed=0)
+    model.get_input_embeddings().requires_grad_(False)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Probes
+
+
+class ModuleStack:
+    """The qualified name of the innermost module running now (forward hooks on every module)."""
+
+    def __init__(self, model):
+        self.names = {m: n for n, m in model.named_modules()}
+        self.stack = ["(outside modules)"]
+        self.handles = []
+
+    def __enter__(self):
+        for module in self.names:
+            self.handles.append(module.register_forward_pre_hook(self._enter))
+            self.handles.append(module.register_forward_hook(self._leave))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def _enter(self, module, args):
+        self.stack.append(self.names.get(module) or "(model)")
+
+    def _leave(self, module, args, out):
+        self.stack.pop()
+
+    @property
+    def current(self) -> str:
+        return self.stack[-1]
+
+
+class SavedTensors:
+    """Bytes of the tensors autograd saves for backward (each storage once, parameters left out), by module."""
+
+    def __init__(self, model, modules: ModuleStack):
+        self.modules = modules
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen: set[int] = set()
+        self.by_module: dict[str, int] = collections.defaultdict(int)
+
+    def pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.params and key not in self.seen:
+            self.seen.add(key)
+            self.by_module[self.modules.current] += storage.nbytes()
+        return t
+
+    @contextlib.contextmanager
+    def recording(self):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            yield self
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_module.values())
+
+
+class LiveBytes(TorchDispatchMode):
+    """Every tensor storage created inside the block and when it is freed: the peak of live bytes, with or
+    without the parameter gradients (which stay alive to the end and do not depend on P)."""
+
+    def __init__(self, existing=()):
+        super().__init__()
+        # Storages that exist before the step (parameters, buffers, the batch): their views are not allocations.
+        self.existing = {t.untyped_storage().data_ptr() for t in existing}
+        self.events: list[tuple[int, int]] = []  # (allocation id, +bytes / -bytes)
+        self.alive: dict[int, tuple[int, int]] = {}  # data_ptr -> (allocation id, bytes)
+        self.ids = itertools.count()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage) -> None:
+        key = storage.data_ptr()
+        if key in self.alive or key in self.existing or storage.nbytes() == 0:
+            return
+        ident, size = next(self.ids), storage.nbytes()
+        self.alive[key] = (ident, size)
+        self.events.append((ident, size))
+        weakref.finalize(storage, self._free, key, ident, size)
+
+    def _free(self, key: int, ident: int, size: int) -> None:
+        if self.alive.get(key, (None,))[0] == ident:
+            del self.alive[key]
+            self.events.append((ident, -size))
+
+    def peak(self, excluded: set[int] = frozenset()) -> int:
+        live = top = 0
+        for ident, delta in self.events:
+            if ident not in excluded:
+                live += delta
+                top = max(top, live)
+        return top
+
+    def ids_of(self, tensors) -> set[int]:
+        return {self.alive[t.untyped_storage().data_ptr()][0] for t in tensors
+                if t is not None and t.untyped_storage().data_ptr() in self.alive}
+
+
+class CollectiveBytes:
+    """Bytes each rank sends through all-to-all and all-gather (send buffers; (P-1)/P of them leave the rank)."""
+
+    def __init__(self):
+        self.bytes = collections.Counter()
+        self.originals = {}
+
+    def __enter__(self):
+        for name in ("all_to_all_single", "all_gather"):
+            original = getattr(dist, name)
+            self.originals[name] = original
+
+            def counting(*args, _name=name, _original=original, **kwargs):
+                sent = args[1] if _name == "all_to_all_single" else args[1]
+                self.bytes[_name] += sent.numel() * sent.element_size()
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
