@@ -222,9 +222,11 @@ class LiveBytes(TorchDispatchMode):
 
 
 class CollectiveBytes:
-    """Bytes each rank sends through all-to-all and all-gather (send buffers; (P-1)/P of them leave the rank)."""
+    """Bytes each rank sends through all-to-all and all-gather (send buffers; (P-1)/P of them leave the rank),
+    of tensors of `dtype` (the model's: the small float64 agreement vector is left out)."""
 
-    def __init__(self):
+    def __init__(self, dtype=torch.float32):
+        self.dtype = dtype
         self.bytes = collections.Counter()
         self.originals = {}
 
@@ -234,8 +236,9 @@ class CollectiveBytes:
             self.originals[name] = original
 
             def counting(*args, _name=name, _original=original, **kwargs):
-                sent = args[1] if _name == "all_to_all_single" else args[1]
-                self.bytes[_name] += sent.numel() * sent.element_size()
+                sent = args[1]  # all_to_all_single(output, input), all_gather(outputs, input)
+                if sent.dtype == self.dtype:
+                    self.bytes[_name] += sent.numel() * sent.element_size()
                 return _original(*args, **kwargs)
 
             setattr(dist, name, counting)

@@ -1,6 +1,6 @@
 """Padding fraction of the packing collator against padded batching, on a multimodal length mix.
 
-    python benchmarks/packing_padding.py [--budget 16384] [--batch-size 4] [--samples 4000]
+    python -m benchmarks.packing_padding [--budget 16384] [--batch-size 4] [--samples 4000]
 
 The length distribution imitates fine-tuning data for long multimodal context: short text-only chats
 and agent traces with one to eight screenshots (each 256-1280 vision tokens) plus text. Both numbers
@@ -13,7 +13,18 @@ import argparse
 
 import torch
 
-from vlmcp_patch.collator import pack_into_bins, padding_fraction_packed, padding_fraction_padded
+from vlmcp_patch.collator import pack_into_bins
+
+
+def padding_fraction_padded(lengths: list[int], batch_size: int) -> float:
+    """Share of padding tokens when consecutive samples are batched and padded to the longest."""
+    groups = [lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size)]
+    return 1 - sum(lengths) / sum(max(g) * len(g) for g in groups)
+
+
+def padding_fraction_packed(lengths: list[int], max_tokens: int) -> float:
+    """Share of the token budget left empty when samples are packed into rows of `max_tokens`."""
+    return 1 - sum(lengths) / (len(pack_into_bins(lengths, max_tokens)) * max_tokens)
 
 
 def sample_lengths(n: int, budget: int, seed: int = 0) -> list[int]:
@@ -41,7 +52,8 @@ def main() -> None:
     padded = padding_fraction_padded(lengths, args.batch_size)
     packed = padding_fraction_packed(lengths, args.budget)
     rows = len(pack_into_bins(lengths, args.budget))
-    print(f"{len(lengths)} samples, {sum(lengths)} tokens, median {sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}")
+    median = sorted(lengths)[len(lengths) // 2]
+    print(f"{len(lengths)} samples, {sum(lengths)} tokens, median {median}, max {max(lengths)}")
     print(f"padded batches of {args.batch_size}: {padded:.1%} of computed tokens are padding")
     print(f"packed rows of {args.budget} tokens ({rows} rows): {packed:.1%} of the budget is empty")
     print(f"tokens computed per real token: padded {1 / (1 - padded):.3f}, packed {1 / (1 - packed):.3f}")

@@ -132,7 +132,8 @@ def main(argv=None) -> None:
     if fsdp and on_cpu:
         from vlmcp_patch.fixtures.cpu import configure_cpu_fsdp_state
 
-        configure_cpu_fsdp_state(training_args)
+        args_ = training_args
+        configure_cpu_fsdp_state(args_.fsdp_plugin_args, args_.parallelism_config, args_.mixed_precision)
     trainer = Trainer(
         model=model,
         args=training_args,

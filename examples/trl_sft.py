@@ -106,7 +106,7 @@ def main(argv=None) -> None:
     if args.fsdp and on_cpu:
         from vlmcp_patch.fixtures.cpu import configure_cpu_fsdp_state
 
-        configure_cpu_fsdp_state(config)
+        configure_cpu_fsdp_state(config.fsdp_plugin_args, config.parallelism_config, config.mixed_precision)
     trainer = SFTTrainer(
         model=model,
         args=config,

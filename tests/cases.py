@@ -51,11 +51,22 @@ def padded_text_batch(lengths: list[int], seed: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def with_positions(batch: dict, style: str) -> dict:
+    """Explicit 2D position_ids for a right-padded batch, as RL stacks send them: cumsum of the mask, or
+    HF's masked-fill (1 at padding)."""
+    mask = batch["attention_mask"].long()
+    positions = mask.cumsum(-1) - 1
+    positions = positions.clamp(min=0) if style == "cumsum" else positions.masked_fill(mask == 0, 1)
+    return {**batch, "position_ids": positions}
+
+
 def build_batch(layout, seed: int) -> dict:
     if isinstance(layout, tuple) and layout[0] == "packed":
         return packed_text_batch(layout[1], seed)
     if isinstance(layout, tuple) and layout[0] == "padded":
         return padded_text_batch(layout[1], seed)
+    if isinstance(layout, tuple) and layout[0] == "positions":
+        return with_positions(build_batch(layout[2], seed), layout[1])
     return make_batch(layout, seed=seed)
 
 
@@ -74,6 +85,7 @@ QWEN3_VL_CASES = {
     "big_and_small_images": ({}, BIG_AND_SMALL),
     "video_and_image": ({}, VIDEO_AND_IMAGE),
     "vision_replicated": ({"vision_dp": False}, MULTI_IMAGE),
+    "padded_pair_masked_fill_positions": ({}, ("positions", "masked_fill", PADDED_PAIR)),
 }
 
 QWEN3_5_CASES = {
@@ -83,6 +95,7 @@ QWEN3_5_CASES = {
     "one_key_head": ({"linear_num_key_heads": 1}, MULTI_IMAGE),
     "causal_lm": ({"text_only": True}, ("packed", [23])),
     "causal_lm_padded": ({"text_only": True}, ("padded", [19, 12])),
+    "causal_lm_padded_cumsum_positions": ({"text_only": True}, ("positions", "cumsum", ("padded", [19, 12]))),
     "moe_multi_image": ({"moe": True}, MULTI_IMAGE),
     "moe_padded_pair": ({"moe": True}, PADDED_PAIR),
     "moe_causal_lm": ({"moe": True, "text_only": True}, ("packed", [23])),

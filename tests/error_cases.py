@@ -189,6 +189,16 @@ def run_error_cases(rank: int, world_size: int, names: list[str]) -> dict:
         if name in ("sequence_shorter_than_p", "labels_all_ignored", "subclass_of_a_supported_model"):
             reference = _run(model, inputs, extra)  # P=1: stock transformers
             results[name]["p1_loss"] = reference["loss"]
+    # The weights are checked again after load_state_dict: rank 1 loads other weights after a good step.
+    model = build_model(tiny_qwen3_vl_config(), seed=0)
+    vlmcp_patch.enable(cp_size=world_size)
+    try:
+        model(**make_batch(LAYOUT, seed=3))
+        if rank == 1:
+            model.load_state_dict(build_model(tiny_qwen3_vl_config(), seed=5).state_dict())
+        results["weights_loaded_differently"] = _run(model, make_batch(LAYOUT, seed=3), {})
+    finally:
+        vlmcp_patch.enable(cp_size=1)
     # Collectives are still matched after all of that: a normal CP step runs.
     vlmcp_patch.enable(cp_size=world_size)
     out = build_model(tiny_qwen3_vl_config(), seed=0)(**make_batch(LAYOUT, seed=3))

@@ -47,11 +47,9 @@ def _alone_reference(model, alone: list[dict]):
 
 
 def run_packing_cases(rank: int, world_size: int, families: list[str], cu_seq_lens: bool = False) -> dict:
-    import torch.distributed as dist
-
     import vlmcp_patch
     from tests.cases import crosses_shard_edge
-    from tests.parity import ExchangeCounter, gradient_errors, rel_err
+    from tests.parity import ExchangeCounter, gradient_errors, rel_err, summed_over_group
 
     results = {}
     for family in families:
@@ -69,14 +67,8 @@ def run_packing_cases(rank: int, world_size: int, families: list[str], cu_seq_le
                 logits = model(**{k: v for k, v in row.items() if k != "labels"}).logits
         finally:
             vlmcp_patch.enable(cp_size=1)
-        grads = {}
-        for name, grad in model.named_parameters():
-            if grad.grad is None:
-                continue
-            total = grad.grad.clone()
-            if world_size > 1:
-                dist.all_reduce(total)
-            grads[name] = total
+        group = vlmcp_patch.get_cp_group(world_size).group if world_size > 1 else None
+        grads = summed_over_group({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, group)
         errors, decay = gradient_errors(grads, ref_grads)
         worst = max(errors, key=errors.get)
         local = -(-row["input_ids"].shape[1] // world_size)

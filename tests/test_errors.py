@@ -62,6 +62,12 @@ def test_clear_error_on_every_rank(case):
         assert HINTS.get(case, "") in res[case]["message"], (rank, res[case]["message"])
 
 
+def test_weights_are_checked_again_after_load_state_dict():
+    for res in results():
+        assert res["weights_loaded_differently"]["error"] == "UnsupportedSetupError"
+        assert "weights differ" in res["weights_loaded_differently"]["message"]
+
+
 def test_one_bad_rank_stops_the_whole_group():
     rank0, rank1 = (res["one_rank_left_padded"] for res in results())
     assert rank1["error"] == "CPInputError" and "left padding" in rank1["message"]

@@ -191,3 +191,12 @@ def test_bad_cp_size_env_is_a_clear_error():
             print(type(e).__name__, e)
     """
     assert "VLMCP_CP_SIZE='two' is not an integer" in _run(code, VLMCP_CP_SIZE="two")
+
+
+def test_python_m_vlmcp_patch_reports_and_self_tests():
+    out = subprocess.run([sys.executable, "-m", "vlmcp_patch"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for section in ("== versions", "== optional kernels", "== CP layout of this launch", "== patches", "== self-test"):
+        assert section in out.stdout
+    assert out.stdout.count("PASS") == 2 and "FAIL" not in out.stdout
+    assert "checked on deepspeed>=0.19,<0.20" in out.stdout

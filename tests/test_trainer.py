@@ -72,6 +72,8 @@ def assert_trains_like(run: Run, reference: Run, cp_size: int = 2, dp_size: int 
         # VLMCPCallback's facts ride along with the Trainer's logs under CP only.
         assert b["cp_size"] == cp_size and b["cp_data_parallel_size"] == dp_size and "cp_size" not in a
         assert b["cp_tokens_per_rank"] > 0 and 0 <= b["cp_padding"] < 1
+        # Vision data parallelism ran: each rank encoded its share of the patches, and the imbalance is logged.
+        assert b["cp_vision_patches_per_rank"] > 0 and b["cp_vision_imbalance"] >= 1
     if clipped:
         assert any(e["grad_norm"] > 1.0 for e in reference.train), "gradient clipping (at 1.0) was never exercised"
 
@@ -181,15 +183,24 @@ def one_process_of_two_replicas() -> Run:
     return _launch("replicas-p1", 1, 1, VL, [*REPLICA, "--grad-accum", "4"])
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "zero2", "zero3", "fsdp2"])
+WRAPPERS = {
+    # DDP without find_unused_parameters (the Trainer's choice under gradient checkpointing) and with it
+    "ddp": (["--ddp-find-unused-parameters", "false", "--gradient-checkpointing"], "DDP"),
+    "ddp_find_unused": (["--ddp-find-unused-parameters", "true"], "DDP"),
+    "zero1": (_deepspeed(1), "DeepSpeed ZeRO-1"),
+    "zero2": (_deepspeed(2), "DeepSpeed ZeRO-2"),
+    "zero3": (_deepspeed(3), "DeepSpeed ZeRO-3"),
+    "fsdp2": (["--fsdp"], "FSDP2"),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_cp2_dp2_mixed_modality_trains_and_evaluates_like_one_process(wrapper):
     if wrapper.startswith("zero"):
         pytest.importorskip("deepspeed")
-    extra = {"ddp": ["--ddp-find-unused-parameters", "false", "--gradient-checkpointing"],
-             "zero2": _deepspeed(2), "zero3": _deepspeed(3), "fsdp2": ["--fsdp"]}[wrapper]
+    extra, wrapped_by = WRAPPERS[wrapper]
     run = _launch(f"replicas-{wrapper}", 4, 2, VL, [*REPLICA, "--grad-accum", "2", *extra])
-    assert run.wrapper == {"ddp": "DDP", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3", "fsdp2": "FSDP2"}[
-        wrapper]
+    assert run.wrapper == wrapped_by
     reference = one_process_of_two_replicas()
     assert sum(e.get("cp_vision_placeholder_passes", 0) for e in run.train) > 0, "no mixed-modality step ran"
     assert_trains_like(run, reference, dp_size=2, clipped=False)

@@ -114,10 +114,10 @@ def _mark_weights_unchecked(model, *args) -> None:
     model._vlmcp_weights_checked = False
 
 
-def weights_fingerprint(model) -> list[float] | None:
-    """[dtype code, s1, s2] over the parameters in order, at the first CP forward of `model` and after each
-    `load_state_dict`; None when there is nothing to check now."""
-    if getattr(model, "_vlmcp_weights_checked", False):
+def weights_fingerprint(model, force: bool = False) -> list[float] | None:
+    """[s1, s2] over the parameters in order, at the first CP forward of `model` and after each
+    `load_state_dict` (or when `force`d); None when there is nothing to check now."""
+    if getattr(model, "_vlmcp_weights_checked", False) and not force:
         return None
     if not hasattr(model, "_vlmcp_weights_hook"):
         model._vlmcp_weights_hook = model.register_load_state_dict_post_hook(_mark_weights_unchecked)
@@ -125,6 +125,10 @@ def weights_fingerprint(model) -> list[float] | None:
     params = list(model.parameters())
     if not params or any(_partitioned(p) for p in params):
         return None
+    return _checksum(params)
+
+
+def _checksum(params) -> list[float]:
     s1 = s2 = 0.0
     for i, p in enumerate(params):
         _, a, b = tensor_fingerprint(p)
@@ -180,7 +184,15 @@ def agree_on_batch(cp: CPGroup, problem: Problem | None, call: dict, model) -> N
             "the model's dtype differs between the ranks of this CP group (e.g. bf16 on one rank, fp32 on another): "
             "build or load it the same way in every process"
         )
-    if bool(gathered.table[:, 2].all()) and gathered.differing(3, 2):
+    weights = gathered.table[:, 2:5]
+    if bool(weights[:, 0].any()) and not bool(weights[:, 0].all()):
+        # Some ranks (re)loaded weights since their last check, others did not: the others checksum now too,
+        # in a second collective that only this rare case pays for.
+        mine = weights_fingerprint(model, force=True)
+        again = torch.tensor([float(mine is not None), *(mine or [0.0, 0.0])], dtype=torch.float64,
+                             device=local.device)
+        weights = all_gather_small(again, cp.group, cp.size)
+    if bool(weights[:, 0].all()) and not bool((weights[:, 1:] == weights[0, 1:]).all()):
         raise UnsupportedSetupError(
             "the model's weights differ between the ranks of this CP group: build it from the same seed or load the "
             "same checkpoint in every process (DDP, DeepSpeed and FSDP broadcast or shard them for you; a raw "

@@ -107,16 +107,18 @@ def _heads_over_whole_sequence(layer, mixed: torch.Tensor, share: _HeadShare, ct
 def _gates(layer, b: torch.Tensor, a: torch.Tensor, share: _HeadShare, ctx: CPContext):
     """beta and g of this rank's heads over the whole sequence.
 
-    The gate inputs are only 2 x value-heads numbers per token, so they are all-gathered and the gates
-    computed for all heads exactly as stock does (same shapes, same rounding) before keeping this
-    rank's heads: A_log and dt_bias then accumulate their gradient in one reduction, like P=1.
+    The gate inputs are only 2 x value-heads numbers per token: they are all-gathered (their gradient
+    reduce-scattered back) and this rank's heads kept before the elementwise gates, so only those are
+    saved for backward. Per element the arithmetic is stock's, and A_log and dt_bias still accumulate each
+    head's gradient in one reduction over the whole sequence, on the rank that holds the head.
     """
     group, size, rank = ctx.cp.group, ctx.cp.size, ctx.cp.rank
     counts = [ctx.local_len] * size
-    b, a = (gather_sum_grad(t, BSHD.seq, counts, group, rank).narrow(BSHD.seq, 0, ctx.seq_len) for t in (b, a))
     heads = slice(share.value_heads[0], share.value_heads[-1] + 1)
-    beta = b.sigmoid()[..., heads]
-    g = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias))[..., heads]
+    b, a = (gather_sum_grad(t, BSHD.seq, counts, group, rank).narrow(BSHD.seq, 0, ctx.seq_len)[..., heads]
+            for t in (b, a))
+    beta = b.sigmoid()
+    g = -layer.A_log[heads].float().exp() * F.softplus(a.float() + layer.dt_bias[heads])
     return ctx.pad(beta, dim=BSHD.seq), ctx.pad(g, dim=BSHD.seq)
 
 

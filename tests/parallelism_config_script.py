@@ -1,9 +1,12 @@
-"""A plain Accelerate + DeepSpeed script with `ParallelismConfig(sp_backend="deepspeed", sp_size=2)`.
+"""A plain Accelerate script with Accelerate's own switches for sequence / context parallelism.
 
-    torchrun --nproc-per-node 2 tests/sp_switch_script.py {qwen3.5 | qwen3-next | loader-first} OUT.json
+    torchrun --nproc-per-node 2 tests/parallelism_config_script.py MODE OUT.json
 
-Rank 0 writes what happened to OUT.json: the error accelerate or vlmcp_patch raised, or what one
-training micro-step saw (CP size, the accelerator's SP size, the batch, the loss, the P=1 loss).
+MODE: `qwen3.5` (DeepSpeed, ParallelismConfig(sp_backend="deepspeed", sp_size=2)), `qwen3-next` (the same
+for a model the package does not handle: accelerate's refusal stays), `loader-first` (the data loader
+prepared before the model), `fsdp2-cp` (FSDP2, ParallelismConfig(cp_size=2), a tiny Qwen3-VL). Rank 0
+writes what happened to OUT.json: the error raised, or what one training micro-step saw (CP size, the
+accelerator's parallelism sizes, what wraps the model, the batches of the ranks, the loss, the P=1 loss).
 """
 
 from __future__ import annotations
@@ -16,10 +19,9 @@ from accelerate import Accelerator, ParallelismConfig, PartialState
 from accelerate.utils import DeepSpeedPlugin
 
 import vlmcp_patch
-from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config
-
-from vlmcp_patch.fixtures.cpu import configure_cpu_state
+from vlmcp_patch.fixtures.cpu import configure_cpu_fsdp_state, configure_cpu_state
 from vlmcp_patch.fixtures.data import PaddingCollator, synthetic_dataset
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
 
 
 def qwen3_next():
@@ -34,15 +36,26 @@ def qwen3_next():
     ))
 
 
-def main(mode: str, out: str) -> None:
+def accelerator_for(mode: str) -> Accelerator:
+    if mode == "fsdp2-cp":
+        configure_cpu_state("FSDP")
+        config = ParallelismConfig(cp_size=2)
+        configure_cpu_fsdp_state({}, config)
+        return Accelerator(parallelism_config=config)
     configure_cpu_state("DEEPSPEED")
-    model = qwen3_next() if mode == "qwen3-next" else build_model(tiny_qwen3_5_config(), seed=0)
     plugin = DeepSpeedPlugin(hf_ds_config={
         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
     })
-    accelerator = Accelerator(deepspeed_plugin=plugin,
-                              parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
+    return Accelerator(deepspeed_plugin=plugin, parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
+
+
+def main(mode: str, out: str) -> None:
+    accelerator = accelerator_for(mode)
+    if mode == "qwen3-next":
+        model = qwen3_next()
+    else:
+        model = build_model(tiny_qwen3_vl_config() if mode == "fsdp2-cp" else tiny_qwen3_5_config(), seed=0)
     loader = torch.utils.data.DataLoader(synthetic_dataset(8), batch_size=2, collate_fn=PaddingCollator())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     report = {}
@@ -58,11 +71,17 @@ def main(mode: str, out: str) -> None:
             reference = engine(**batch).loss.item()
         loss = engine(**batch).loss
         accelerator.backward(loss)
+        from torch.distributed.fsdp import FSDPModule
+
+        pc = accelerator.parallelism_config
         report = {
-            "cp_size": vlmcp_patch.cp_size(), "accelerator_sp_size": accelerator.parallelism_config.sp_size,
-            "train_batch_size": engine.train_batch_size(), "loss": loss.item(), "p1_loss": reference,
+            "cp_size": vlmcp_patch.cp_size(), "accelerator_sp_size": pc.sp_size, "accelerator_cp_size": pc.cp_size,
+            "wrapper": "FSDP2" if isinstance(engine, FSDPModule) else type(engine).__name__,
+            "loss": loss.item(), "p1_loss": reference,
             "batches": [t.tolist() for t in accelerator.gather(batch["input_ids"].sum(-1))],
         }
+        if mode != "fsdp2-cp":
+            report["train_batch_size"] = engine.train_batch_size()
     if PartialState().is_main_process:
         with open(out, "w") as f:
             json.dump(report, f)

@@ -1,0 +1,199 @@
+"""The GPU check: the real kernels under the package, in bf16, in a few minutes on one GPU.
+
+    python -m benchmarks.gpu_check                                   # one GPU
+    torchrun --nproc-per-node N -m benchmarks.gpu_check              # N GPUs: adds the CP parity at P=N
+    python -m benchmarks.gpu_check --dry-run                         # CPU, fp32, torch paths, tiny sizes
+
+Sections (each prints its numbers; record them in the README with the date and the GPU):
+1. the environment: GPU, torch / CUDA, flash-attn, flash-linear-attention, causal-conv1d;
+2. packed-row boundaries with the real kernels (flash_attention_2; FLA chunked delta rule and causal-conv1d
+   for Qwen3.5 when installed): a packed row of three samples against each sample run alone by stock
+   transformers, bf16;
+3. the gated DeltaNet head split against the stock layer run on each sample alone (at P = the number of
+   GPUs; at P=1 the same code with the kernels' packed-sequence arguments);
+4. the per-rank workload: peak memory and tokens/s of forward + backward against the sequence length;
+5. with several GPUs: CP parity of loss and gradients against P=1 on a multimodal packed row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import vlmcp_patch
+from benchmarks.common import MODELS, real_image_processor
+from vlmcp_patch.context import CPContext
+from vlmcp_patch.distributed import SINGLE_RANK
+from vlmcp_patch.fixtures.data import Segment as S
+from vlmcp_patch.fixtures.data import image_processor, make_packed_batch
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
+from vlmcp_patch.layout import segments_from_lengths
+
+PACKED = [[S(text=40), S(image=(64, 96)), S(text=30)], [S(text=25), S(image=(96, 64)), S(text=9)], [S(text=57)]]
+
+
+class Setup:
+    def __init__(self, dry_run: bool):
+        self.dry_run = dry_run
+        self.device = torch.device("cpu" if dry_run else "cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        self.dtype = torch.float32 if dry_run else torch.bfloat16
+        self.attn = "sdpa" if dry_run else "flash_attention_2"
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def model(self, family: str):
+        if self.dry_run:
+            config = tiny_qwen3_vl_config() if family == "qwen3-vl" else tiny_qwen3_5_config()
+        else:
+            config = MODELS[family](layers=2 if family == "qwen3-vl" else 4, vision_depth=2)
+        config._attn_implementation = self.attn
+        for sub in (config.get_text_config(), getattr(config, "vision_config", None)):
+            if sub is not None:
+                sub._attn_implementation = self.attn
+        return build_model(config, seed=0, dtype=self.dtype).to(self.device)
+
+    def packed(self, layout=PACKED):
+        processor = image_processor() if self.dry_run else real_image_processor()
+        row, alone = make_packed_batch(layout, seed=0, processor=processor)
+        move = lambda batch: {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}  # noqa: E731
+        return move(row), [move(b) for b in alone]
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def environment(setup: Setup) -> None:
+    setup.say("== 1. environment")
+    gpu = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "none (dry run on CPU)"
+    setup.say(f"  GPU {gpu}; torch {torch.__version__}, CUDA {torch.version.cuda}")
+    for name in ("flash-attn", "flash-linear-attention", "causal-conv1d"):
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            version = "not installed (torch path)"
+        setup.say(f"  {name:24s} {version}")
+
+
+def packed_boundaries(setup: Setup) -> None:
+    setup.say("== 2. packed row vs its samples alone (stock), logits")
+    for family in ("qwen3-vl", "qwen3.5"):
+        model = setup.model(family)
+        row, alone = setup.packed()
+        no_labels = lambda b: {k: v for k, v in b.items() if k != "labels"}  # noqa: E731
+        with torch.no_grad():
+            vlmcp_patch.enable(cp_size=1)  # a packed row takes the package's path at P=1
+            packed = model(**no_labels(row)).logits
+            vlmcp_patch.revert()
+            try:
+                separate = torch.cat([model(**no_labels(b)).logits for b in alone], dim=1)
+            finally:
+                vlmcp_patch.apply()
+        setup.say(f"  {family:9s} {setup.dtype}: rel. error {rel(packed, separate):.2e} over {row['input_ids'].shape[1]} "
+                  "tokens")
+
+
+def deltanet_split(setup: Setup) -> None:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cp = vlmcp_patch.get_cp_group(world) or SINGLE_RANK
+    setup.say(f"== 3. gated DeltaNet head split (P={cp.size}) vs the stock layer on each sample")
+    model = setup.model("qwen3.5")
+    layer = next(m for m in model.modules() if isinstance(m, Qwen3_5GatedDeltaNet))
+    lengths = [37, 129, 64] if setup.dry_run else [1500, 3000, 700]
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(1, sum(lengths), layer.hidden_size, generator=g).to(setup.device, setup.dtype)
+    ctx = CPContext(cp=cp, segments=segments_from_lengths(lengths))
+    with torch.no_grad():
+        ours = ctx.gather(layer(ctx.shard(row, dim=1), attention_mask=None, vlmcp_ctx=ctx), dim=1)
+        stock = torch.cat([layer(row[:, a:b]) for a, b in ctx.segments], dim=1)
+    setup.say(f"  rel. error {rel(ours, stock):.2e} over {sum(lengths)} tokens in {len(lengths)} samples")
+
+
+def workload(setup: Setup, budget_s: float) -> None:
+    setup.say("== 4. per-rank workload: forward + backward of one packed row")
+    model = setup.model("qwen3-vl")
+    lengths = [512, 1024] if setup.dry_run else [4096, 8192, 16384, 32768, 65536]
+    vlmcp_patch.enable(cp_size=dist.get_world_size() if dist.is_initialized() else 1)
+    start = time.perf_counter()
+    for n in lengths:
+        half = n // 2
+        row, _ = make_packed_batch([[S(text=half)], [S(text=n - half)]], seed=0)
+        row = {k: v.to(setup.device) if torch.is_tensor(v) else v for k, v in row.items()}
+        if setup.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(setup.device)
+            torch.cuda.synchronize(setup.device)
+        t0 = time.perf_counter()
+        try:
+            model(**row).loss.backward()
+        except torch.OutOfMemoryError:
+            setup.say(f"  {n:>6d} tokens: out of memory")
+            break
+        if setup.device.type == "cuda":
+            torch.cuda.synchronize(setup.device)
+        seconds = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated(setup.device) / 2**30 if setup.device.type == "cuda" else float("nan")
+        setup.say(f"  {n:>6d} tokens: peak {peak:6.2f} GiB, {n / seconds:9.0f} tokens/s")
+        model.zero_grad(set_to_none=True)
+        if time.perf_counter() - start > budget_s:
+            break
+    vlmcp_patch.enable(cp_size=1)
+
+
+def cp_parity(setup: Setup) -> None:
+    size = dist.get_world_size()
+    setup.say(f"== 5. CP parity at P={size} against P=1 (loss and summed gradients)")
+    for family in ("qwen3-vl", "qwen3.5"):
+        model = setup.model(family)
+        row, _ = setup.packed()
+        results = []
+        for cp_size in (1, size):
+            vlmcp_patch.enable(cp_size=cp_size)
+            model.zero_grad(set_to_none=True)
+            loss = model(**row).loss
+            loss.backward()
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            if cp_size > 1:
+                for g in grads.values():
+                    dist.all_reduce(g, group=vlmcp_patch.get_cp_group().group)
+            results.append((loss.detach(), grads))
+        vlmcp_patch.enable(cp_size=1)
+        (l1, g1), (lp, gp) = results
+        worst = max(rel(gp[n], g1[n]) for n in g1)
+        setup.say(f"  {family:9s} loss rel. error {rel(lp, l1):.2e}, worst gradient rel. error {worst:.2e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, fp32, torch paths, tiny sizes")
+    parser.add_argument("--workload-budget", type=float, default=120, help="seconds for section 4")
+    args = parser.parse_args()
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo" if args.dry_run else "nccl")
+    setup = Setup(args.dry_run)
+    if setup.device.type == "cuda":
+        torch.cuda.set_device(setup.device)
+    environment(setup)
+    packed_boundaries(setup)
+    deltanet_split(setup)
+    workload(setup, args.workload_budget)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        cp_parity(setup)
+    setup.say("gpu_check: done")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

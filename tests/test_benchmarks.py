@@ -1,0 +1,24 @@
+"""The benchmark scripts run end to end (the numbers they print are recorded in the README; targets asserted
+here are the ones that hold on any machine: exchange volumes equal the formula, no padding under CP)."""
+
+from __future__ import annotations
+
+import re
+
+from tests.harness import ROOT, launch
+
+
+def test_gpu_check_dry_run_on_cpu_with_two_ranks():
+    out = launch(ROOT / "benchmarks" / "gpu_check.py", ["--dry-run"], procs=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    errors = [float(x) for x in re.findall(r"rel\. error ([\d.e+-]+)", out.stdout)]
+    assert len(errors) >= 5 and max(errors) <= 1e-5, out.stdout
+    assert "== 5. CP parity at P=2" in out.stdout and "gpu_check: done" in out.stdout
+
+
+def test_padding_free_rows_leave_no_padding_per_rank():
+    out = launch(ROOT / "benchmarks" / "padding_per_rank.py", ["--sizes", "2", "4"], launcher="python")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = re.findall(r"\(\s*([\d.]+)%\)\s+\d+ of\s+\d+ \(\s*([\d.]+)%\)", out.stdout)
+    assert len(rows) == 6 and max(float(free) for _, free in rows) <= 1.0
+    assert max(float(contiguous) for contiguous, _ in rows) > 50  # what contiguous slices of the padding leave
