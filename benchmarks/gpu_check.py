@@ -98,8 +98,8 @@ def packed_boundaries(setup: Setup) -> None:
                 separate = torch.cat([model(**no_labels(b)).logits for b in alone], dim=1)
             finally:
                 vlmcp_patch.apply()
-        setup.say(f"  {family:9s} {setup.dtype}: rel. error {rel(packed, separate):.2e} over {row['input_ids'].shape[1]} "
-                  "tokens")
+        tokens = row["input_ids"].shape[1]
+        setup.say(f"  {family:9s} {setup.dtype}: rel. error {rel(packed, separate):.2e} over {tokens} tokens")
 
 
 def deltanet_split(setup: Setup) -> None:

@@ -108,7 +108,8 @@ def main() -> None:
         saved, peak = _busiest(per_rank, "saved"), _busiest(per_rank, "peak")
         patches = _busiest(per_rank, "vision_patches")
         print(f"{size:>9} {saved / MIB:>10.1f} {size * saved / reference['saved']:>8.3f} {peak / MIB:>9.1f} "
-              f"{size * peak / reference['peak']:>7.3f} {patches:>8d} {size * patches / reference['all_patches']:>11.3f}"
+              f"{size * peak / reference['peak']:>7.3f} {patches:>8d}"
+              f" {size * patches / reference['all_patches']:>11.3f}"
               f" {_busiest(per_rank, 'seconds'):>7.1f}")
     for size, per_rank in results.items():
         if size == 1:

@@ -73,8 +73,8 @@ def main(argv=None) -> None:
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     parser.add_argument("--deepspeed", help="train with DeepSpeed, this config (e.g. examples/ds_trainer_zero2.json)")
     parser.add_argument("--fsdp", action="store_true", help="train with FSDP2 (parameters sharded over all ranks)")
-    parser.add_argument("--fsdp-state-dict", default="FULL_STATE_DICT", choices=["FULL_STATE_DICT", "SHARDED_STATE_DICT"],
-                        help="checkpoint format under FSDP2")
+    parser.add_argument("--fsdp-state-dict", default="FULL_STATE_DICT",
+                        choices=["FULL_STATE_DICT", "SHARDED_STATE_DICT"], help="checkpoint format under FSDP2")
     parser.add_argument("--activation-checkpointing", action="store_true", help="FSDP2's activation checkpointing")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="the model's own gradient checkpointing")
     parser.add_argument("--lora", action="store_true", help="PEFT LoRA on the text attention, vision tower frozen")

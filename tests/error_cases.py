@@ -151,8 +151,9 @@ def _scenarios(rank):
         "augmented_pixels": (base, on_rank1(changed("pixel_values", lambda p: p + 0.01)), {}),
         "different_num_items_in_batch": (base, batch, {"num_items_in_batch": 10 + rank}),
         "different_weights": (lambda: build_model(tiny_qwen3_vl_config(), seed=rank), batch, {}),
-        "bf16_on_one_rank": (lambda: build_model(tiny_qwen3_vl_config(), dtype=torch.bfloat16 if rank else torch.float32),
-                             batch, {}),
+        "bf16_on_one_rank": (
+            lambda: build_model(tiny_qwen3_vl_config(), dtype=torch.bfloat16 if rank else torch.float32), batch, {},
+        ),
         # inputs that run
         "use_cache_true_is_fine": (base, batch, {"use_cache": True}),
         "subclass_of_a_supported_model": (subclass_model, batch, {}),

@@ -48,9 +48,9 @@ def flash_attn_func(
 
 def install() -> None:
     """Make transformers load this module as flash-attn 2."""
-    import transformers.modeling_flash_attention_utils as fa_utils
-
     import importlib.machinery
+
+    import transformers.modeling_flash_attention_utils as fa_utils
 
     flash_attn = types.ModuleType("flash_attn")
     flash_attn.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)

@@ -37,8 +37,9 @@ def _launcher(kind: str, procs: int) -> list[str]:
                 "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
                 "-m"]
     if kind == "accelerate_fsdp2":  # accelerate launch with the example's FSDP2 config file
-        return [*python, "accelerate.commands.launch", "--config_file", str(ROOT / "examples" / "accelerate_fsdp2.yaml"),
-                "--num_processes", str(procs), "--main_process_port", str(free_port()), "-m"]
+        config = ROOT / "examples" / "accelerate_fsdp2.yaml"
+        return [*python, "accelerate.commands.launch", "--config_file", str(config), "--num_processes", str(procs),
+                "--main_process_port", str(free_port()), "-m"]
     if kind == "deepspeed":
         return [*python, "deepspeed.launcher.runner", "--num_gpus", str(procs), "--master_port", str(free_port()),
                 "--module"]
@@ -48,7 +49,8 @@ def _launcher(kind: str, procs: int) -> list[str]:
 def launch(script: str | Path, args=(), *, procs: int = 1, launcher: str = "torchrun", env: dict | None = None,
            timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `script ARGS` on `procs` processes under `launcher` (python, torchrun, accelerate, accelerate_fsdp2,
-    deepspeed) from the repository root, through tests/run_script.py (no interpreter finalization at exit); bounded in time."""
+    deepspeed) from the repository root, through tests/run_script.py (no interpreter finalization at exit);
+    bounded in time."""
     cmd = [*_launcher(launcher, procs), "tests.run_script", str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT)

@@ -13,7 +13,7 @@ from tests.harness import run_distributed
 EXPECTED = {
     "cp_size_not_dividing_world": ("UnsupportedSetupError", "does not divide the world size 2"),
     "heads_not_splittable": ("UnsupportedSetupError", "3 query heads cannot be split over CP size 2"),
-    "linear_heads_not_splittable": ("UnsupportedSetupError", "gated DeltaNet: 3 value heads cannot be split over CP size 2"),
+    "linear_heads_not_splittable": ("UnsupportedSetupError", "gated DeltaNet: 3 value heads cannot be split over CP"),
     "eager_attention": ("UnsupportedSetupError", "attn_implementation='eager'"),
     "flex_attention": ("UnsupportedSetupError", "attn_implementation='flex_attention'"),
     "unsupported_model": ("UnsupportedSetupError", "Qwen3VLForConditionalGeneration"),

@@ -9,10 +9,9 @@ import torch
 
 from tests.cases import EXCHANGES
 from tests.harness import run_distributed
-from tests.parity import TOL
 from tests.packing_cases import CONFIGS, run_packing_cases
+from tests.parity import TOL
 from vlmcp_patch.collator import MultimodalPackingCollator, PackedDataset, pack_into_bins
-
 
 
 @functools.cache

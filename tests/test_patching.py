@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 import transformers
-from transformers.models.qwen3_vl import modeling_qwen3_vl as mq
 from transformers.modeling_utils import AttentionInterface
+from transformers.models.qwen3_vl import modeling_qwen3_vl as mq
 
 import vlmcp_patch
 from vlmcp_patch.compat import check_transformers_version

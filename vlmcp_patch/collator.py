@@ -34,7 +34,9 @@ def pack_into_bins(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         length = lengths[index]
         if length > max_tokens:
-            raise ValueError(f"sample {index} has {length} tokens, more than the packing budget max_tokens={max_tokens}")
+            raise ValueError(
+                f"sample {index} has {length} tokens, more than the packing budget max_tokens={max_tokens}"
+            )
         for b, free in enumerate(room):
             if length <= free:
                 bins[b].append(index)
@@ -80,7 +82,10 @@ class MultimodalPackingCollator:
         for sample in samples:
             row = _row(sample["input_ids"]).long()
             kinds = _row(sample["mm_token_type_ids"]).long() if "mm_token_type_ids" in sample else torch.zeros_like(row)
-            target = _row(sample["labels"]).long().clone() if "labels" in sample else row.masked_fill(kinds != 0, IGNORE_INDEX)
+            if "labels" in sample:
+                target = _row(sample["labels"]).long().clone()
+            else:
+                target = row.masked_fill(kinds != 0, IGNORE_INDEX)
             target[0] = IGNORE_INDEX  # the previous sample's last token must not predict this one
             ids.append(row)
             types.append(kinds)
@@ -99,5 +104,6 @@ class MultimodalPackingCollator:
         if self.return_cu_seq_lens:
             lengths = torch.tensor([0] + [len(r) for r in ids])
             cu = lengths.cumsum(0).to(torch.int32)
-            batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(lengths.max()), max_length_k=int(lengths.max()))
+            longest = int(lengths.max())
+            batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return batch

@@ -64,7 +64,8 @@ def main(argv=None) -> None:
 
     if rank == 0:
         print(f"vlmcp-patch demo: tiny Qwen3-VL, CP size {vlmcp_patch.cp_size()}")
-        print(f"{'step':>4} {'seq':>4} {'tokens':>6} {'patches':>9}  {'CP loss':>12}  {'P=1 loss':>12}  {'rel. diff':>9}")
+        print(f"{'step':>4} {'seq':>4} {'tokens':>6} {'patches':>9}  {'CP loss':>12}  {'P=1 loss':>12}"
+              f"  {'rel. diff':>9}")
     worst = 0.0
     for step, batch in enumerate(synthetic_batches(args.steps, args.seed)):
         STATS.drain()

@@ -59,7 +59,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, bias, labels = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        grad_bias = None
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = torch.zeros_like(bias, dtype=torch.float32)
         for a, b in _chunks(hidden.shape[0], ctx.chunk):
             h, y = hidden[a:b], labels[a:b]
             probs = F.linear(h, weight, bias).float().softmax(-1)

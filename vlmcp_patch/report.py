@@ -65,7 +65,8 @@ def layout() -> list[str]:
     groups = [list(range(start, start + size)) for start in range(0, world, size)]
     shown = ", ".join(str(g) for g in groups[:4]) + (" ..." if len(groups) > 4 else "")
     lines.append(f"  CP groups (blocks of {size} consecutive ranks): {shown}")
-    lines.append(f"  data-parallel replicas: {world // size}; this rank: replica {rank // size}, position {rank % size}")
+    lines.append(f"  data-parallel replicas: {world // size}; this rank: replica {rank // size}, "
+                 f"position {rank % size}")
     lines.append(f"  vision data parallelism: {'on' if SETTINGS.vision_dp else 'off'}")
     return lines
 

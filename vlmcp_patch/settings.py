@@ -5,7 +5,7 @@
 | `VLMCP_CP_SIZE` | `cp_size` | 1 | ranks per CP group (1: CP off) |
 | `VLMCP_GATHER_LOGITS` | `gather_logits_with_labels` | off | forwards with labels also return the full logits |
 | `VLMCP_VISION_DP` | `vision_dp` | on | under CP, each rank encodes only its share of the images |
-| `VLMCP_MATCH_VISION_PASSES` | `match_vision_passes` | CP only | placeholder vision passes keep data-parallel replicas matched |
+| `VLMCP_MATCH_VISION_PASSES` | `match_vision_passes` | CP only | placeholder vision passes, replicas without images |
 | `VLMCP_LOSS_CHUNK` | `loss_chunk_tokens` | auto | tokens per chunk of the chunked LM head + loss under CP |
 | `VLMCP_DISABLE` | (`revert()`) | off | nothing is patched; every helper reports P=1 |
 """
@@ -57,7 +57,9 @@ class Settings:
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
             raise UnsupportedSetupError(f"cp_size must be a positive integer, got {self.cp_size!r}")
         if not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 0:
-            raise UnsupportedSetupError(f"loss_chunk_tokens must be a non-negative integer, got {self.loss_chunk_tokens!r}")
+            raise UnsupportedSetupError(
+                f"loss_chunk_tokens must be a non-negative integer, got {self.loss_chunk_tokens!r}"
+            )
 
 
 def _from_environment() -> Settings:

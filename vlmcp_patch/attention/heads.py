@@ -29,5 +29,7 @@ def kv_replication(
             f"choose a CP size that divides {num_heads}."
         )
     if num_heads % num_kv_heads:
-        raise UnsupportedSetupError(f"{what}: {num_heads} {heads} heads are not a multiple of {num_kv_heads} {kv_heads} heads")
+        raise UnsupportedSetupError(
+            f"{what}: {num_heads} {heads} heads are not a multiple of {num_kv_heads} {kv_heads} heads"
+        )
     return kv_replication_factor(num_heads, num_kv_heads, cp_size)

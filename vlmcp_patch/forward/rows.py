@@ -57,7 +57,8 @@ def is_packed_row(call: dict) -> bool:
 
 
 def has_vision(call: dict) -> bool:
-    return any(call.get(k) is not None for k in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw"))
+    keys = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+    return any(call.get(k) is not None for k in keys)
 
 
 def packed_row_starts(call: dict) -> list[int]:
