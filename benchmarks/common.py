@@ -87,10 +87,10 @@ S = Segment
 SAMPLES = {
     "text-heavy": [[S(text=700), S(image=(256, 256)), S(text=240)], [S(text=500), S(image=(224, 320)), S(text=300)]],
     "image-heavy": [
-        [S(text=12), S(image=(448, 448)), S(text=6), S(image=(224, 224)), S(text=6), S(image=(320, 224)),
-         S(text=6), S(image=(256, 256)), S(text=20)],
-        [S(text=10), S(image=(384, 256)), S(text=6), S(image=(224, 224)), S(text=6), S(image=(256, 448)),
-         S(text=6), S(image=(224, 320)), S(text=20)],
+        [S(text=12), S(image=(384, 384)), S(text=6), S(image=(224, 224)), S(text=6), S(image=(384, 384)),
+         S(text=6), S(image=(384, 256)), S(text=20)],
+        [S(text=10), S(image=(224, 224)), S(text=6), S(image=(384, 256)), S(text=6), S(image=(448, 256)),
+         S(text=6), S(image=(320, 256)), S(text=20)],
     ],
 }
 

@@ -119,6 +119,19 @@ EXCHANGES = {
     "qwen3_vl": {"default": 16, "grad_checkpointing": 24, "lora_frozen_vision": 15},
     "qwen3_5": {"default": 24, "vision_grad_checkpointing": 36},
 }
+VISION_BLOCKS = 2  # the tiny vision towers' depth
+
+
+def vision_slice_exchanges(batch: dict, cp_size: int, checkpointing: bool = False, frozen: bool = False) -> int:
+    """All-to-alls of the vision passes that encode patch slices (items that do not balance over the ranks):
+    q, k, v and the output of every vision block, forward (replayed by gradient checkpointing) and backward
+    (none for a frozen tower)."""
+    from vlmcp_patch.forward.vision import VisionShare
+
+    per_block = 4 * (1 + (not frozen) + (checkpointing and not frozen))
+    unbalanced = [key for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None
+                  and not VisionShare.of(batch[key].tolist(), 2, cp_size).balanced()]
+    return len(unbalanced) * VISION_BLOCKS * per_block
 
 
 def image_spans(input_ids) -> list[tuple[int, int]]:
@@ -190,5 +203,6 @@ def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list
         metrics["linear_key_heads"] = getattr(config.get_text_config(), "linear_num_key_heads", None)
         grids = [batch.get(k) for k in ("image_grid_thw", "video_grid_thw") if batch.get(k) is not None]
         metrics["vision_patches"] = int(sum(int(g.prod(-1).sum()) for g in grids))
+        metrics["vision_exchanges"] = vision_slice_exchanges(batch, cp_size, checkpointing, lora) if vision_dp else 0
         results[name] = metrics
     return results

@@ -27,7 +27,8 @@ def gather_backward(rank: int, world_size: int) -> dict:
 
 
 def one_image_in_bf16(rank: int, world_size: int) -> dict:
-    """One image, two ranks: rank 1 encodes nothing and runs the placeholder; its vision gradients are exact
+    """One image, two ranks, a vision tower with one head (its patches cannot be split by heads, so whole
+    items are assigned): rank 1 encodes nothing and runs the placeholder; its vision gradients are exact
     zeros of the model's dtype, rank 0's are the whole vision gradient."""
     import torch.distributed as dist
 
@@ -36,7 +37,9 @@ def one_image_in_bf16(rank: int, world_size: int) -> dict:
     from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
     from vlmcp_patch.stats import STATS
 
-    model = build_model(tiny_qwen3_vl_config(), seed=1, dtype=torch.bfloat16)
+    config = tiny_qwen3_vl_config()
+    config.vision_config.num_heads = 1
+    model = build_model(config, seed=1, dtype=torch.bfloat16)
     batch = make_batch([[Segment(text=7), Segment(image=(16, 24)), Segment(text=9)]], seed=2)
     batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
     vlmcp_patch.enable(cp_size=world_size)

@@ -1,9 +1,9 @@
 """Ulysses all-to-all around transformers' `sdpa` and `flash_attention_2` attention functions.
 
 The wrappers are registered in transformers' attention registry in place of the stock entries. They
-act only when a call carries the `vlmcp_ctx` keyword, which the patched text decoder adds under CP;
-every other caller (the vision tower, models we do not patch, CP off) reaches the stock function
-unchanged.
+act only when a call carries the `vlmcp_ctx` keyword, which the patched text decoder adds under CP (and
+the vision tower when it encodes slices of the patches, `forward/vision.py`); every other caller (models
+we do not patch, CP off) reaches the stock function unchanged.
 
 Under CP a decoder layer holds q/k/v for its local slice of the sequence and all heads. The exchange
 turns them into the whole sequence for H/P heads, runs the stock kernel with the *global* sample
@@ -40,9 +40,10 @@ class _LocalHeads:
 
 
 def _sdpa_global(original, module, q, k, v, ctx: CPContext, kwargs):
-    # One causal call per sample of the row: no (S x S) mask is ever built.
+    # One call per sample of the row (per image for the vision tower): no (S x S) mask is ever built.
+    causal = getattr(module, "is_causal", True)
     outs = [
-        original(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, **{**kwargs, "is_causal": True})[0]
+        original(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, **{**kwargs, "is_causal": causal})[0]
         for a, b in ctx.attention_segments
     ]
     return torch.cat(outs, dim=BSHD.seq)

@@ -197,13 +197,12 @@ def packed_row_of_batch(model, call: dict) -> tuple[list[Segment], RowLayout | N
         starts = packed_row_starts(call)
         segments = segments_of(starts, reference.shape[1])
         rows = None
-        text = _text_positions(call)
-        if has_vision(call) and model is not None:
-            if text is None:
-                text = positions_restarting_at(segments).to(reference.device)[None]
-            call["position_ids"] = per_sample_mrope(model, call, segments, text)
-        elif text is None:
-            call["position_ids"] = positions_restarting_at(segments).to(reference.device)[None]
+        given = call.get("position_ids")
+        if given is None or given.ndim == 2:  # 3D (mRoPE) position ids given with the row are kept as they are
+            text = given if given is not None else positions_restarting_at(segments).to(reference.device)[None]
+            if has_vision(call) and model is not None:
+                text = per_sample_mrope(model, call, segments, text)
+            call["position_ids"] = text
     else:
         mask = call.pop("attention_mask", None)
         if mask is None:

@@ -2,19 +2,23 @@
 
 Without it every rank of a CP group runs the vision tower on every image of the micro-batch: P-1
 redundant passes, and vision activations that do not shrink with P. Here the patched vision tower
-forward, inside a CP forward:
+forward, inside a CP forward, splits the work one of two ways, decided from `grid_thw` alone (every rank
+decides the same without communicating):
 
-1. splits the items of `grid_thw` into units — whole images and videos, or the temporal patch groups of
-   an item larger than one rank's fair share (the tower attends within each group, so they encode
-   independently) — and assigns them to the ranks, longest first to the least loaded, from `grid_thw`
-   alone: every rank computes the same assignment without communicating;
-2. runs the stock tower (patch embedding, blocks, merger, deepstack mergers) on this rank's units only;
-3. all-gathers the merged features (and every deepstack level, in the same collective) and puts them
-   back into the original order. The gather's backward sums the gradient over the group and keeps this
-   rank's block, so each rank back-propagates the complete gradient of its own units' outputs: the vision
-   parameters' gradients summed over the group equal P=1.
+* **by items** (`encode_items`), when they balance: whole images and videos, or the temporal patch groups
+  of an item larger than one rank's fair share (the tower attends within each group, so they encode
+  independently), assigned longest first to the least loaded rank. Each rank runs the stock tower
+  (patch embedding, blocks, merger, deepstack mergers) on its units; one all-gather brings the merged
+  features and every deepstack level back into the original order.
+* **by patches** (`encode_patch_slices`), when items cannot balance (fewer images than ranks, one image
+  larger than a rank's share): the patches of all items are cut into P equal contiguous slices (whole
+  merged tokens each) and every vision attention exchanges sequence for heads (the Ulysses exchange of the
+  decoder, non-causal, within each image's attention segments), so even a single large image scales
+  with P.
 
-A rank with no unit (fewer units than ranks) still joins every collective: it runs the tower on a
+Either gather's backward sums the gradient over the group and keeps this rank's block: each rank
+back-propagates the complete gradient of its own outputs, and the vision parameters' gradients summed over
+the group equal P=1. A rank with no unit still joins every collective: it runs the tower on a
 one-merged-token placeholder (the model's dtype; gradient exactly zero) so that data-parallel wrappers
 that gather or reduce the tower's weights see the same module calls on every rank.
 """
@@ -25,13 +29,18 @@ from dataclasses import dataclass
 
 import torch
 
+import sys
+
 from ..collectives import gather_sum_grad
-from ..context import current_cp_forward
+from ..context import CTX_KWARG, CPContext, current_cp_forward
 from ..distributed import CPGroup
-from ..layout import assign_to_ranks, split_into_units
+from ..layout import assign_to_ranks, round_up, segments_from_lengths, split_into_units
 from ..settings import SETTINGS
 from ..stats import STATS
 from .arguments import call_arguments
+
+# Items balance when the busiest rank carries at most this much more than a perfect split.
+BALANCED = 1.1
 
 
 def placeholder_vision_inputs(vision_config, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +82,10 @@ class VisionShare:
     def merged_per_rank(self) -> list[int]:
         return [n // self.merge_unit for n in self.patches_per_rank()]
 
+    def balanced(self) -> bool:
+        loads = self.patches_per_rank()
+        return max(loads) * self.size <= BALANCED * sum(loads)
+
     def local_patches(self, rank: int, device) -> torch.Tensor:
         spans = [torch.arange(self.units[i][0], self.units[i][0] + self.units[i][1]) for i in self.mine(rank)]
         return torch.cat(spans).to(device)
@@ -102,9 +115,9 @@ def _with_features(out, features: list[torch.Tensor]):
     return type(out)(**fields)
 
 
-def encode_share(wrapped, tower, pixels: torch.Tensor, grid: torch.Tensor, cp: CPGroup, kwargs: dict):
-    """The tower's output for all items, each rank encoding only its share (see the module docstring)."""
-    share = VisionShare.of(grid.tolist(), tower.spatial_merge_size, cp.size)
+def encode_items(wrapped, tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionShare, cp: CPGroup,
+                 kwargs: dict):
+    """The tower's output for all items, each rank encoding its share of whole items (module docstring)."""
     if share.mine(cp.rank):
         out = wrapped(pixels.index_select(0, share.local_patches(cp.rank, pixels.device)),
                       grid_thw=share.local_grid(cp.rank, grid.device), **kwargs)
@@ -121,12 +134,52 @@ def encode_share(wrapped, tower, pixels: torch.Tensor, grid: torch.Tensor, cp: C
     return _with_features(out, list(full.split(widths, dim=-1)))
 
 
+def _patch_tables(tower, grid: torch.Tensor, padded: int) -> dict:
+    """What the tower computes from `grid_thw` for every patch (position-embedding interpolation, rotary
+    positions), for all patches padded to `padded` rows: the tower takes them precomputed."""
+    vision_utils = sys.modules[type(tower).__module__]
+    indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+        grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+        align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size,
+    )
+    positions = vision_utils.get_vision_position_ids(grid, tower.spatial_merge_size)
+    extra = padded - indices.shape[0]
+    pad = lambda t: torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) if extra else t  # noqa: E731
+    return {"interp_indices": pad(indices), "interp_weights": pad(weights), "position_ids": pad(positions)}
+
+
+def encode_patch_slices(wrapped, tower, pixels: torch.Tensor, grid: torch.Tensor, cp: CPGroup, kwargs: dict):
+    """The tower's output for all items, each rank encoding one contiguous slice of all their patches, its
+    attention exchanging sequence for heads within each image's segments (module docstring)."""
+    unit = tower.spatial_merge_size**2
+    frames = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]).tolist()
+    merged = sum(frames) // unit
+    padded = round_up(merged, cp.size) * unit  # whole merged tokens on every rank
+    lengths = frames + ([padded - sum(frames)] if padded > sum(frames) else [])
+    vision_ctx = CPContext(cp=cp, segments=segments_from_lengths(lengths))  # attention within each segment
+    rows = vision_ctx.local_slice
+    tables = {k: v[rows] for k, v in _patch_tables(tower, grid, padded).items()}
+    local_pixels = torch.cat([pixels, pixels.new_zeros(padded - pixels.shape[0], pixels.shape[1])])[rows]
+    local_len = vision_ctx.local_len
+    cu = torch.tensor([0, local_len], dtype=torch.int32, device=pixels.device)  # one local segment: the
+    out = wrapped(local_pixels, grid_thw=grid, cu_seqlens=cu, max_seqlen=local_len,  # exchange restores the
+                  **tables, **kwargs, **{CTX_KWARG: vision_ctx})  # global ones
+    local = torch.cat(_features(out), dim=-1)
+    full = gather_sum_grad(local, 0, [local.shape[0]] * cp.size, cp.group, cp.rank).narrow(0, 0, merged)
+    widths = [f.shape[-1] for f in _features(out)]
+    STATS.record_vision([min(local_len, max(0, sum(frames) - r * local_len)) for r in range(cp.size)], cp.rank)
+    return _with_features(out, list(full.split(widths, dim=-1)))
+
+
 def cp_vision_forward(wrapped, instance, args, kwargs):
     """The vision tower's forward: inside a CP forward with vision data parallelism on, each rank encodes its
-    share of the items; otherwise the stock forward."""
+    share (by items when they balance, else by patch slices); otherwise the stock forward."""
     ctx = current_cp_forward()
     if ctx is None or ctx.cp.size == 1 or not SETTINGS.vision_dp:
         return wrapped(*args, **kwargs)
     call = call_arguments(wrapped, args, kwargs)
     pixels, grid = call.pop("hidden_states"), call.pop("grid_thw")
-    return encode_share(wrapped, instance, pixels, grid, ctx.cp, call)
+    share = VisionShare.of(grid.tolist(), instance.spatial_merge_size, ctx.cp.size)
+    if share.balanced() or instance.config.num_heads % ctx.cp.size:  # patch slices split the tower's heads
+        return encode_items(wrapped, instance, pixels, grid, share, ctx.cp, call)
+    return encode_patch_slices(wrapped, instance, pixels, grid, ctx.cp, call)
