@@ -49,7 +49,7 @@ class Setup:
         if self.dry_run:
             config = tiny_qwen3_vl_config() if family == "qwen3-vl" else tiny_qwen3_5_config()
         else:
-            config = MODELS[family](layers=2 if family == "qwen3-vl" else 4, vision_depth=2)
+            config = MODELS[family](layers=2 if family == "qwen3-vl" else 4, vision_depth=2)  # 4: three DeltaNet
         config._attn_implementation = self.attn
         for sub in (config.get_text_config(), getattr(config, "vision_config", None)):
             if sub is not None:

@@ -2,7 +2,8 @@
 
 Launches of examples/deepspeed_train.py on the same global batches — one process at P=1 and two
 processes at CP=2 — must give the same per-step loss and (clipped) gradient norm, and trained weights
-equal within 1e-4 after three optimizer steps with gradient accumulation. A control run of stock
+equal within 1e-4 after three optimizer steps with gradient accumulation (ZeRO-2 under torchrun, ZeRO-3
+under the deepspeed launcher; the HF Trainer tests cover the other stages). A control run of stock
 DeepSpeed on two processes shows the data really is sharded there (its weights differ).
 """
 
@@ -34,10 +35,11 @@ def train(model: str, stage: int, procs: int, cp_size: int, launcher="torchrun")
 
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("model", ["tiny-qwen3-vl", "tiny-qwen3.5"])
-def test_deepspeed_cp2_equals_p1(model, stage):
-    (w1, log1), (w2, log2) = train(model, stage, 1, 1), train(model, stage, 2, 2)
+@pytest.mark.parametrize("model,stage,launcher", [("tiny-qwen3-vl", 2, "torchrun"), ("tiny-qwen3.5", 3, "deepspeed")])
+def test_deepspeed_cp2_equals_p1(model, stage, launcher):
+    """CP=2 under torchrun, and under the deepspeed launcher (it adds --local_rank; VLMCP_CP_SIZE rides in the
+    environment), against one process."""
+    (w1, log1), (w2, log2) = train(model, stage, 1, 1), train(model, stage, 2, 2, launcher)
     assert weight_error(w2, w1) <= 1e-4
     assert len(log1) == len(log2) == 3
     for a, b in zip(log1, log2):
@@ -49,11 +51,3 @@ def test_deepspeed_cp2_equals_p1(model, stage):
 def test_stock_deepspeed_on_two_processes_shards_the_data():
     (w1, _), (wd, _) = train("tiny-qwen3-vl", 2, 1, 1), train("tiny-qwen3-vl", 2, 2, 1)
     assert weight_error(wd, w1) > 1e-2
-
-
-def test_deepspeed_launcher_cp2_equals_p1():
-    """The same script under the `deepspeed` launcher (it adds --local_rank; VLMCP_CP_SIZE rides in the env)."""
-    (w1, log1), (w2, log2) = train("tiny-qwen3.5", 3, 1, 1), train("tiny-qwen3.5", 3, 2, 2, "deepspeed")
-    assert weight_error(w2, w1) <= 1e-4
-    assert len(log1) == len(log2) == 3
-    assert all(abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) for a, b in zip(log1, log2))

@@ -172,7 +172,7 @@ def test_vlmcp_disable_turns_the_package_off():
         print(any(s["applied"] for s in vlmcp_patch.status()), vlmcp_patch.cp_size(), vlmcp_patch.get_cp_group())
     """
     assert _run(code, VLMCP_DISABLE="1", VLMCP_CP_SIZE="2") == "False 1 None"
-    assert _run(code, VLMCP_CP_SIZE="1") == "True 1 None"
+    assert any(s["applied"] for s in vlmcp_patch.status())  # this process: the import applied them
 
 
 def test_reverted_package_reports_p1(restore):

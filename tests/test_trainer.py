@@ -29,13 +29,14 @@ def _deepspeed(stage: int) -> list:
     return ["--deepspeed", ROOT / "examples" / f"ds_trainer_zero{stage}.json"]
 
 
-def _launch(name: str, procs: int, cp_size: int, model: str, extra=(), launcher=None, common=COMMON):
+def _launch(name: str, procs: int, cp_size: int, model: str, extra=(), launcher=None, common=COMMON, env=None):
     """(trained weights, per-step logs, what wrapped the model); the run's files live in a fresh folder."""
     tmp = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     launcher = launcher or ("python" if procs == 1 and "--deepspeed" not in map(str, extra) else "torchrun")
     files = ["--save-weights", tmp / "w.pt", "--save-logs", tmp / "log.json"]
     args = ["--model", model, "--output-dir", tmp / "out", *common, *files, *extra]
-    out = launch(SCRIPT, args, procs=procs, launcher=launcher, env={"VLMCP_CP_SIZE": str(cp_size)}, timeout=400)
+    env = {"VLMCP_CP_SIZE": str(cp_size), **(env or {})}
+    out = launch(SCRIPT, args, procs=procs, launcher=launcher, env=env, timeout=400)
     assert out.returncode == 0, out.stderr[-4000:]
     entries = json.loads((tmp / "log.json").read_text())
     wrapper = next(e["wrapper"] for e in entries if "wrapper" in e)
@@ -210,6 +211,15 @@ def test_cp2_dp2_mixed_modality_trains_and_evaluates_like_one_process(wrapper):
     assert ev1["eval_scored_tokens"] == ev4["eval_scored_tokens"]
     one_token = 1 / ev1["eval_scored_tokens"]  # an argmax near a tie may flip with rounding; garbage would not
     assert abs(ev1["eval_accuracy"] - ev4["eval_accuracy"]) <= one_token
+
+
+def test_matched_vision_passes_at_p1_on_request():
+    """At P=1 the package leaves DDP alone unless asked: with VLMCP_MATCH_VISION_PASSES=1 two stock DDP replicas
+    (no find_unused_parameters) with mixed micro-batches train like one process, where stock DDP fails."""
+    extra = [*REPLICA, "--grad-accum", "2", *WRAPPERS["ddp"][0]]
+    run = _launch("p1-dp2-matched", 2, 1, VL, extra, env={"VLMCP_MATCH_VISION_PASSES": "1"})
+    assert run.wrapper == "DDP"
+    assert weight_error(run.weights, one_process_of_two_replicas().weights) <= 1e-4
 
 
 # --------------------------------------------------------------------------------------------------------

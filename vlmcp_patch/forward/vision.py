@@ -159,7 +159,8 @@ def encode_patch_slices(wrapped, tower, pixels: torch.Tensor, grid: torch.Tensor
     vision_ctx = CPContext(cp=cp, segments=segments_from_lengths(lengths))  # attention within each segment
     rows = vision_ctx.local_slice
     tables = {k: v[rows] for k, v in _patch_tables(tower, grid, padded).items()}
-    local_pixels = torch.cat([pixels, pixels.new_zeros(padded - pixels.shape[0], pixels.shape[1])])[rows]
+    # A copy of this rank's rows: a view would keep the whole padded pixel tensor alive until backward.
+    local_pixels = torch.cat([pixels, pixels.new_zeros(padded - pixels.shape[0], pixels.shape[1])])[rows].clone()
     local_len = vision_ctx.local_len
     cu = torch.tensor([0, local_len], dtype=torch.int32, device=pixels.device)  # one local segment: the
     out = wrapped(local_pixels, grid_thw=grid, cu_seqlens=cu, max_seqlen=local_len,  # exchange restores the
