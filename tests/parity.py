@@ -10,37 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from vlmcp_patch.fixtures.compare import gradient_errors, rel_err
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |a - e| / max |e| (norm-wise relative error of the whole tensor)."""
-    actual, expected = actual.detach().double(), expected.detach().double()
-    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
-
-
-# Gated-DeltaNet parameters whose only gradient source is the decay gate g: A_log, dt_bias and the
-# projection in_proj_a feeding g. Their gradient is a sequence sum of the chunked delta rule's decay
-# gradient, a difference of large intra-chunk terms: in these tiny random models it can cancel down
-# to 1e-6 of the network's gradient scale, so fp32 rounding shows up 100-1000x larger relative to
-# their own magnitude (stock itself moves them by ~1e-5 under a mere change of batch shape). Their
-# error is measured against the network's gradient scale; tests/test_deltanet_layer.py checks the
-# same path per tensor on a well-conditioned layer.
-DECAY_PATH = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
 TOL = 1e-5
-
-
-def gradient_errors(grads: dict, ref_grads: dict) -> tuple[dict, dict]:
-    """(errors asserted against TOL, per-tensor errors of the decay path for the record)."""
-    scale = max(float(g.abs().max()) for g in ref_grads.values())
-    errors, decay_own = {}, {}
-    for name, ref in ref_grads.items():
-        if name not in grads:
-            continue
-        if name.endswith(DECAY_PATH):
-            errors[name] = float((grads[name] - ref).abs().max()) / scale
-            decay_own[name] = rel_err(grads[name], ref)
-        else:
-            errors[name] = rel_err(grads[name], ref)
-    return errors, decay_own
 
 
 class ExchangeCounter:

@@ -25,11 +25,10 @@ that gather or reduce the tower's weights see the same module calls on every ran
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
-
-import sys
 
 from ..collectives import gather_sum_grad
 from ..context import CTX_KWARG, CPContext, current_cp_forward
