@@ -86,7 +86,7 @@ def training() -> None:
     trl_p1 = trl._launch(tmp, "p1", 1, 1)
     for wrapper, extra in (("DDP", []), ("FSDP2", ["--fsdp"])):
         run = trl._launch(tmp, f"cp2-{wrapper}", 2, 2, extra)
-        print(f"{'TRL SFTTrainer, ' + wrapper:52s} {weight_error(run[0], trl_p1[0]):>50.1e}")
+        print(f"{'TRL SFTTrainer, ' + wrapper:52s} {f'{weight_error(run[0], trl_p1[0]):.1e} [{run[2]}]':>50}")
     reference = t.one_process_of_two_replicas()
     for wrapper, extra in (("DDP", ["--ddp-find-unused-parameters", "false", "--gradient-checkpointing"]),
                            ("DeepSpeed ZeRO-2", t._deepspeed(2)), ("DeepSpeed ZeRO-3", t._deepspeed(3)),
