@@ -43,8 +43,7 @@ def padding_free(batch: dict, size: int) -> list[tuple[int, int]]:
     out = []
     for rank in range(size):
         ctx = CPContext(cp=CPGroup(group=None, rank=rank, size=size), segments=segments, rows=rows)
-        real = max(0, min(ctx.seq_len - ctx.local_slice.start, ctx.local_len))
-        out.append((ctx.local_len - real, ctx.local_len))
+        out.append((ctx.local_pad_len, ctx.local_len))
     return out
 
 

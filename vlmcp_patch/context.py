@@ -11,7 +11,6 @@ recomputation sees the same state as the forward did.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 
 from .collectives import gather_keep_local_grad
 from .distributed import CPGroup
+from .flags import scoped
 from .layout import Segment, cu_seqlens_of, round_up, shard_slice
 
 CTX_KWARG = "vlmcp_ctx"
@@ -88,6 +88,12 @@ class CPContext:
         return shard_slice(self.seq_len, self.cp.size, self.cp.rank)
 
     @property
+    def local_pad_len(self) -> int:
+        """CP padding tokens in this rank's slice (the pad tail lies after every real token)."""
+        real = max(0, min(self.seq_len - self.local_slice.start, self.local_len))
+        return self.local_len - real
+
+    @property
     def attention_segments(self) -> list[Segment]:
         """The samples plus the CP pad tail as a segment of its own: kernels see the whole padded length,
         and the pad tokens attend only to each other."""
@@ -121,14 +127,9 @@ class CPContext:
         """A full-row tensor (1, tokens, ...) in the caller's batch layout (batch, width, ...)."""
         return x if self.rows is None else self.rows.to_caller(x, fill=fill)
 
-    @contextlib.contextmanager
     def running(self):
         """Make this the current CP forward for the stock forward run inside the block."""
-        token = _RUNNING.set(self)
-        try:
-            yield self
-        finally:
-            _RUNNING.reset(token)
+        return scoped(_RUNNING, self)
 
 
 def current_cp_forward() -> CPContext | None:

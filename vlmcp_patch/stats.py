@@ -22,10 +22,9 @@ class LayoutStats:
     vision_placeholders: int = 0  # placeholder vision passes across replicas (integrations/vision_placeholder.py)
 
     def record(self, ctx: CPContext) -> None:
-        real = max(0, min(ctx.seq_len - ctx.local_slice.start, ctx.local_len))
         self.forwards += 1
         self.slots += ctx.local_len
-        self.padding += ctx.local_len - real
+        self.padding += ctx.local_pad_len
 
     def record_vision(self, patches_per_rank: list[int], rank: int) -> None:
         self.vision_passes += 1

@@ -107,7 +107,14 @@ def _features(out) -> list[torch.Tensor]:
     return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
 
 
-def _with_features(out, features: list[torch.Tensor]):
+def _joined_features(out) -> torch.Tensor:
+    """The merged features and every deepstack level side by side: one tensor, one gather."""
+    return torch.cat(_features(out), dim=-1)
+
+
+def _with_features(out, joined: torch.Tensor):
+    """`out` with its features replaced by the columns of `joined` (laid out as `_joined_features`)."""
+    features = joined.split([f.shape[-1] for f in _features(out)], dim=-1)
     fields = {"pooler_output": features[0]}
     if getattr(out, "deepstack_features", None) is not None:
         fields["deepstack_features"] = list(features[1:])
@@ -120,17 +127,16 @@ def encode_items(wrapped, tower, pixels: torch.Tensor, grid: torch.Tensor, share
     if share.mine(cp.rank):
         out = wrapped(pixels.index_select(0, share.local_patches(cp.rank, pixels.device)),
                       grid_thw=share.local_grid(cp.rank, grid.device), **kwargs)
-        local = torch.cat(_features(out), dim=-1)
+        local = _joined_features(out)
     else:
         # The placeholder's rows are sliced away; the empty slice keeps its backward (and the gather's
         # all-reduce) running on this rank, with a zero gradient.
         out = wrapped(*placeholder_vision_inputs(tower.config, pixels.device, pixels.dtype), **kwargs)
-        local = torch.cat(_features(out), dim=-1)[:0]
+        local = _joined_features(out)[:0]
     full = gather_sum_grad(local, 0, share.merged_per_rank(), cp.group, cp.rank)
     full = full.index_select(0, share.gathered_to_original(full.device))
-    widths = [f.shape[-1] for f in _features(out)]
     STATS.record_vision(share.patches_per_rank(), cp.rank)
-    return _with_features(out, list(full.split(widths, dim=-1)))
+    return _with_features(out, full)
 
 
 def _patch_tables(tower, grid: torch.Tensor, padded: int) -> dict:
@@ -164,11 +170,10 @@ def encode_patch_slices(wrapped, tower, pixels: torch.Tensor, grid: torch.Tensor
     cu = torch.tensor([0, local_len], dtype=torch.int32, device=pixels.device)  # one local segment: the
     out = wrapped(local_pixels, grid_thw=grid, cu_seqlens=cu, max_seqlen=local_len,  # exchange restores the
                   **tables, **kwargs, **{CTX_KWARG: vision_ctx})  # global ones
-    local = torch.cat(_features(out), dim=-1)
+    local = _joined_features(out)
     full = gather_sum_grad(local, 0, [local.shape[0]] * cp.size, cp.group, cp.rank).narrow(0, 0, merged)
-    widths = [f.shape[-1] for f in _features(out)]
     STATS.record_vision([min(local_len, max(0, sum(frames) - r * local_len)) for r in range(cp.size)], cp.rank)
-    return _with_features(out, list(full.split(widths, dim=-1)))
+    return _with_features(out, full)
 
 
 def cp_vision_forward(wrapped, instance, args, kwargs):
