@@ -18,7 +18,6 @@ Sections (each prints its numbers; record them in the README with the date and t
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import time
 
@@ -29,11 +28,12 @@ import vlmcp_patch
 from benchmarks.common import MODELS, real_image_processor
 from vlmcp_patch.context import CPContext
 from vlmcp_patch.distributed import SINGLE_RANK
-from vlmcp_patch.fixtures.compare import gradient_errors, rel_err
+from vlmcp_patch.fixtures.compare import gradient_errors, rel_err, summed_over_group
 from vlmcp_patch.fixtures.data import Segment as S
 from vlmcp_patch.fixtures.data import image_processor, make_packed_batch
 from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
 from vlmcp_patch.layout import segments_from_lengths
+from vlmcp_patch.report import kernels
 
 PACKED = [[S(text=40), S(image=(64, 96)), S(text=30)], [S(text=25), S(image=(96, 64)), S(text=9)], [S(text=57)]]
 
@@ -72,12 +72,8 @@ def environment(setup: Setup) -> None:
     setup.say("== 1. environment")
     gpu = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "none (dry run on CPU)"
     setup.say(f"  GPU {gpu}; torch {torch.__version__}, CUDA {torch.version.cuda}")
-    for name in ("flash-attn", "flash-linear-attention", "causal-conv1d"):
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            version = "not installed (torch path)"
-        setup.say(f"  {name:24s} {version}")
+    for line in kernels():
+        setup.say(line)
 
 
 def packed_boundaries(setup: Setup) -> None:
@@ -158,11 +154,9 @@ def cp_parity(setup: Setup) -> None:
             model.zero_grad(set_to_none=True)
             loss = model(**row).loss
             loss.backward()
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-            if cp_size > 1:
-                for g in grads.values():
-                    dist.all_reduce(g, group=vlmcp_patch.get_cp_group().group)
-            results.append((loss.detach(), grads))
+            grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+            cp = vlmcp_patch.get_cp_group(cp_size)
+            results.append((loss.detach(), summed_over_group(grads, None if cp is None else cp.group)))
         vlmcp_patch.enable(cp_size=1)
         (l1, g1), (lp, gp) = results
         errors, _ = gradient_errors(gp, g1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vlmcp_patch.fixtures.compare import gradient_errors, rel_err
+from vlmcp_patch.fixtures.compare import gradient_errors, rel_err, summed_over_group
 
 TOL = 1e-5
 
@@ -48,17 +48,6 @@ def real_positions(batch: dict, logits: torch.Tensor) -> torch.Tensor:
     """Logits at real tokens only: padding positions are not computed under CP (they come back as zeros)."""
     mask = batch.get("attention_mask")
     return logits if mask is None else logits * mask[..., None].to(logits.dtype)
-
-
-def summed_over_group(grads: dict, group) -> dict:
-    """Each rank holds the gradient of its slice; the CP contract is about their sum over the group."""
-    summed = {}
-    for name, grad in grads.items():
-        total = grad.clone()
-        if group is not None:
-            dist.all_reduce(total, group=group)
-        summed[name] = total
-    return summed
 
 
 def compare(model, batch: dict, cp_size: int) -> dict:

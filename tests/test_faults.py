@@ -15,7 +15,8 @@ BOUND = 90  # seconds from launch to the end of the job: imports, one CP step, t
 
 def _run(mode: str, launcher: str):
     start = time.monotonic()
-    out = launch(SCRIPT, [mode], procs=2, launcher=launcher, timeout=BOUND)
+    # The launch may outlive the bound (then the assertion below fails with the job's output) before it is killed.
+    out = launch(SCRIPT, [mode], procs=2, launcher=launcher, timeout=BOUND + 60)
     return out, time.monotonic() - start, out.stdout + out.stderr
 
 
@@ -24,13 +25,13 @@ def test_a_rank_that_raises_ends_the_job_and_is_named(launcher):
     if launcher == "deepspeed":
         pytest.importorskip("deepspeed")
     out, elapsed, text = _run("raise", launcher)
-    assert out.returncode != 0 and elapsed < BOUND
+    assert out.returncode != 0 and elapsed < BOUND, (elapsed, text[-3000:])
     assert "[rank1]: RuntimeError: injected fault on rank 1" in text, text[-3000:]
 
 
 def test_a_rank_that_is_killed_ends_the_job_and_is_named():
     out, elapsed, text = _run("kill", "torchrun")
-    assert out.returncode != 0 and elapsed < BOUND
+    assert out.returncode != 0 and elapsed < BOUND, (elapsed, text[-3000:])
     assert "local_rank: 1" in text and "Signal 9 (SIGKILL)" in text, text[-3000:]
 
 
@@ -40,5 +41,5 @@ def test_a_hung_rank_ends_the_job_at_the_process_group_timeout(launcher):
     if launcher == "deepspeed":
         pytest.importorskip("deepspeed")
     out, elapsed, text = _run("hang", launcher)
-    assert out.returncode != 0 and elapsed < BOUND
+    assert out.returncode != 0 and elapsed < BOUND, (elapsed, text[-3000:])
     assert "[rank0]" in text and "Timed out waiting 10000ms" in text, text[-3000:]

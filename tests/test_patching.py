@@ -172,7 +172,11 @@ def test_vlmcp_disable_turns_the_package_off():
         print(any(s["applied"] for s in vlmcp_patch.status()), vlmcp_patch.cp_size(), vlmcp_patch.get_cp_group())
     """
     assert _run(code, VLMCP_DISABLE="1", VLMCP_CP_SIZE="2") == "False 1 None"
-    assert any(s["applied"] for s in vlmcp_patch.status())  # this process: the import applied them
+    control = """
+        import vlmcp_patch
+        print(any(s["applied"] for s in vlmcp_patch.status()), vlmcp_patch.cp_size())
+    """
+    assert _run(control, VLMCP_DISABLE="", VLMCP_CP_SIZE="2") == "True 2"  # the same import, not disabled
 
 
 def test_reverted_package_reports_p1(restore):
