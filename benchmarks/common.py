@@ -18,10 +18,31 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from vlmcp_patch.fixtures.data import Segment, make_packed_batch
+from vlmcp_patch.fixtures.data import (
+    IMAGE_TOKEN_ID,
+    VIDEO_TOKEN_ID,
+    VISION_END_TOKEN_ID,
+    VISION_START_TOKEN_ID,
+    Segment,
+    make_packed_batch,
+)
 from vlmcp_patch.fixtures.models import build_model
 
 MIB = 2**20
+
+
+def _released_vision(depth: int) -> dict:
+    """The released models' vision tower (1024 wide, 16 heads, patch 16) with `depth` blocks."""
+    return dict(depth=depth, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3, patch_size=16,
+                spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304)
+
+
+def _released_config(config_class, text: dict, vision: dict):
+    config = config_class(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID,
+                          video_token_id=VIDEO_TOKEN_ID, vision_start_token_id=VISION_START_TOKEN_ID,
+                          vision_end_token_id=VISION_END_TOKEN_ID, tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    return config
 
 
 def qwen3_vl_2b_like(layers: int = 2, vision_depth: int = 3):
@@ -29,24 +50,11 @@ def qwen3_vl_2b_like(layers: int = 2, vision_depth: int = 3):
     wide, 16 heads, patch 16, three deepstack levels), with `layers` decoder layers."""
     from transformers import Qwen3VLConfig
 
-    from vlmcp_patch.fixtures.data import (
-        IMAGE_TOKEN_ID,
-        VIDEO_TOKEN_ID,
-        VISION_END_TOKEN_ID,
-        VISION_START_TOKEN_ID,
-    )
-
     text = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536,
                 rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20]})
-    vision = dict(depth=vision_depth, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3,
-                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048,
-                  num_position_embeddings=2304, deepstack_visual_indexes=list(range(vision_depth)))
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID,
-                           video_token_id=VIDEO_TOKEN_ID, vision_start_token_id=VISION_START_TOKEN_ID,
-                           vision_end_token_id=VISION_END_TOKEN_ID, tie_word_embeddings=True)
-    config._attn_implementation = "sdpa"
-    return config
+    vision = {**_released_vision(vision_depth), "deepstack_visual_indexes": list(range(vision_depth))}
+    return _released_config(Qwen3VLConfig, text, vision)
 
 
 def qwen3_5_like(layers: int = 2, vision_depth: int = 3):
@@ -56,13 +64,6 @@ def qwen3_5_like(layers: int = 2, vision_depth: int = 3):
     within 24 GiB)."""
     from transformers import Qwen3_5Config
 
-    from vlmcp_patch.fixtures.data import (
-        IMAGE_TOKEN_ID,
-        VIDEO_TOKEN_ID,
-        VISION_END_TOKEN_ID,
-        VISION_START_TOKEN_ID,
-    )
-
     kinds = ["linear_attention"] * (layers - 1) + ["full_attention"]
     text = dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
                 layer_types=kinds, num_attention_heads=16, num_key_value_heads=4,
@@ -70,14 +71,7 @@ def qwen3_5_like(layers: int = 2, vision_depth: int = 3):
                 linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=65536,
                 rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                  "mrope_section": [11, 11, 10]})
-    vision = dict(depth=vision_depth, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3,
-                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048,
-                  num_position_embeddings=2304)
-    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID,
-                           video_token_id=VIDEO_TOKEN_ID, vision_start_token_id=VISION_START_TOKEN_ID,
-                           vision_end_token_id=VISION_END_TOKEN_ID, tie_word_embeddings=True)
-    config._attn_implementation = "sdpa"
-    return config
+    return _released_config(Qwen3_5Config, text, _released_vision(vision_depth))
 
 
 MODELS = {"qwen3-vl": qwen3_vl_2b_like, "qwen3.5": qwen3_5_like}

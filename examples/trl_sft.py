@@ -22,12 +22,11 @@ import os
 
 import torch
 from datasets import Dataset
-from example_common import describe_wrapper, finish_distributed, full_state_dict
+from example_common import describe_wrapper, finish_distributed, full_state_dict, load_model
 from trl import SFTConfig, SFTTrainer
 
 import vlmcp_patch  # the one line that adds context parallelism
 from vlmcp_patch.fixtures.data import make_image
-from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
 from vlmcp_patch.fixtures.processor import tiny_processor
 
 # (question, answer, sizes (width, height) of the images shown before the question)
@@ -70,14 +69,12 @@ def main(argv=None) -> None:
     parser.add_argument("--save-logs", help="rank 0 saves the trainer's log history here (json)")
     args = parser.parse_args(argv)
 
+    model = load_model(args.model, args.attn)
     if args.model == "tiny-qwen3-vl":
-        model = build_model(tiny_qwen3_vl_config(attn_implementation=args.attn), seed=0)
         processor = tiny_processor()
-    else:  # a released checkpoint, e.g. Qwen/Qwen3-VL-2B-Instruct (bf16 on GPUs)
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+    else:  # a released checkpoint, e.g. Qwen/Qwen3-VL-2B-Instruct
+        from transformers import AutoProcessor
 
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        model = AutoModelForImageTextToText.from_pretrained(args.model, attn_implementation=args.attn, dtype=dtype)
         processor = AutoProcessor.from_pretrained(args.model)
     on_cpu = not torch.cuda.is_available()
     if args.fsdp and on_cpu:  # accelerate would otherwise run FSDP on CPU as plain multi-CPU

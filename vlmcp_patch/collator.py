@@ -15,7 +15,7 @@ import torch
 
 from .loss import IGNORE_INDEX
 
-_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 def _row(value) -> torch.Tensor:
@@ -97,7 +97,7 @@ class MultimodalPackingCollator:
             "labels": torch.cat(labels)[None],
             "position_ids": torch.cat(positions)[None],
         }
-        for key in _VISION_KEYS:
+        for key in VISION_KEYS:
             parts = [torch.as_tensor(s[key]) for s in samples if s.get(key) is not None]
             if parts:
                 batch[key] = torch.cat(parts)
