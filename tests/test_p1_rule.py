@@ -11,6 +11,7 @@ import torch
 
 import vlmcp_patch
 from tests.harness import run_distributed
+from vlmcp_patch.forward.arguments import CACHE_KEYWORDS
 from vlmcp_patch.fixtures.data import Segment as S
 from vlmcp_patch.fixtures.data import make_batch
 from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
@@ -159,3 +160,29 @@ def generated():
 def test_generate_under_cp_equals_p1(name, side):
     for res in generated():
         assert res[f"{name} {side}"] == (3, True)
+
+
+def _with_cache(model, spelling: str):
+    """Logits, cache length and warnings of a forward given an (empty) cache under `spelling`."""
+    import warnings
+
+    from transformers import DynamicCache
+
+    ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = DynamicCache(config=model.config.get_text_config())
+        out = model(input_ids=ids, use_cache=True, **{spelling: cache})
+    return out.logits.detach(), cache.get_seq_length(), sorted({str(w.message) for w in caught})
+
+
+@pytest.mark.parametrize("spelling", CACHE_KEYWORDS)
+@pytest.mark.parametrize("name", ["Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM"])
+def test_both_cache_spellings_behave_as_stock(name, spelling, reapply):
+    """`past_key_values` and `cache` (transformers 5.24 renames the first to the second and deprecates it): the
+    patched forward gives what stock gives for either spelling on the installed release, warnings included."""
+    model = build_model(MODELS[name](), seed=3)
+    ours = _with_cache(model, spelling)
+    vlmcp_patch.revert()
+    stock = _with_cache(model, spelling)
+    assert torch.equal(ours[0], stock[0]) and ours[1:] == stock[1:]

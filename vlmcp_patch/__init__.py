@@ -7,7 +7,7 @@ every call goes to stock transformers untouched, except a batch in the documente
 
 from __future__ import annotations
 
-from .compat import check_transformers_version
+from .compat import check_transformers_version, warn_if_untested
 
 check_transformers_version()
 
@@ -29,13 +29,12 @@ from .integrations import trainer as _trainer  # noqa: E402
 from .integrations import trl as _trl  # noqa: E402
 from .integrations import vision_placeholder as _vision_placeholder  # noqa: E402
 from .integrations.setup import check_cp_setup  # noqa: E402
-from .patching import PatchSet  # noqa: E402
+from .patching import PATCHES  # noqa: E402
 from .settings import SETTINGS, cp_size, enable, env_flag  # noqa: E402
 from .supported import supported_class_names  # noqa: E402
 
 __version__ = "0.2.0"
 
-PATCHES = PatchSet()
 PATCHES.add(
     GENERATE_PATCH,
     *_attention_registry.patches(),
@@ -52,14 +51,12 @@ PATCHES.add(
 def apply() -> None:
     """Install every patch (a no-op when they are installed). Raises `PatchTargetError` on drift."""
     PATCHES.apply()
-    SETTINGS.active = True
 
 
 def revert() -> None:
     """Restore the exact original objects (transformers, and accelerate / deepspeed / trl where patched);
     every helper then reports P=1."""
     PATCHES.revert()
-    SETTINGS.active = False
 
 
 def status() -> list[dict]:
@@ -80,6 +77,7 @@ def __getattr__(name: str):
 
 if not env_flag("VLMCP_DISABLE"):
     apply()
+    warn_if_untested()
 
 __all__ = [
     "VLMCPCallback",

@@ -1,20 +1,50 @@
-"""The transformers versions this release supports, checked at import."""
+"""The transformers releases this release is tested on, checked at import.
+
+There is no blanket version refusal: what decides whether the package can run is whether every patch
+target still verifies (`patching.py`: the parameters each patch relies on, and the pinned source digests
+of the code it re-implements, declared with the versions they were checked on). Below the oldest tested
+release the models lack what the package builds on (`mm_token_type_ids`, the vision tables), so it
+refuses; a newer, untested release imports with one warning when every target still verifies.
+"""
 
 from __future__ import annotations
+
+import warnings
 
 import transformers
 from packaging.version import Version
 
 from .errors import UnsupportedSetupError
 
-MINIMUM = Version("5.23.0")
-BELOW = Version("5.24.0")  # 5.24 renames past_key_values to cache in the forwards patched here
+OLDEST = Version("5.16.0")  # the oldest release CI runs on
+NEWEST = Version("5.24.0")  # the newest release CI runs on
+TESTED = f">={OLDEST.major}.{OLDEST.minor},<{NEWEST.major}.{NEWEST.minor + 1}"
+
+
+class UntestedVersionWarning(UserWarning):
+    """transformers is newer than the releases this vlmcp-patch release was tested on."""
 
 
 def check_transformers_version(version: str = transformers.__version__) -> None:
-    installed = Version(version)
-    if not (MINIMUM <= installed < BELOW):
+    """Refuse a transformers older than the oldest tested release."""
+    if Version(version).release < OLDEST.release:
         raise UnsupportedSetupError(
-            f"vlmcp-patch supports transformers >={MINIMUM},<{BELOW}; transformers {version} is installed. "
-            f"Install a supported version, e.g. pip install 'transformers=={MINIMUM}'."
+            f"vlmcp-patch needs transformers {OLDEST} or newer (tested: {TESTED}); transformers {version} is "
+            f"installed. Upgrade it, e.g. pip install 'transformers{TESTED}'."
+        )
+
+
+def is_untested(version: str = transformers.__version__) -> bool:
+    return Version(version).release[:2] > NEWEST.release[:2]
+
+
+def warn_if_untested(version: str = transformers.__version__) -> None:
+    """One warning for a transformers newer than the tested releases, once its patch targets verified."""
+    if is_untested(version):
+        warnings.warn(
+            f"vlmcp-patch was tested on transformers {TESTED}; transformers {version} is newer. Every patch target "
+            "still verifies (signatures and pinned sources), so the patches are installed; report any difference "
+            "you see.",
+            UntestedVersionWarning,
+            stacklevel=3,
         )

@@ -1,10 +1,16 @@
 """Declarative patch records, applied and reverted as one set.
 
-Each record names its dotted target in transformers, what replaces it and why. Before anything is
-changed, every target is resolved and checked against the installed transformers: a missing
-attribute, a signature without the parameters the replacement relies on, or (for code we mirror) a
-changed upstream source raises `PatchTargetError` naming the target and the version. Applying twice
-is a no-op; `revert()` puts the exact original objects back.
+Each record names its dotted target, what replaces it and why. Before anything is changed, every target is
+resolved and checked against the installed packages: a missing attribute, a signature without the
+parameters the replacement relies on, or (for code we mirror or rescale) an upstream source whose digest
+is none of the pinned ones raises `PatchTargetError` naming the target and the version. A version
+difference lives here, in the record: the spellings a parameter has had (`expects`), and one pinned digest
+per upstream source with the versions it was checked on (`mirrors`). Applying twice is a no-op; `revert()`
+puts the exact original objects back.
+
+Patches of the optional stacks (TRL, DeepSpeed, Accelerate) are installed when their package is imported.
+One whose target no longer verifies is refused alone — the rest of the package works — and the
+integration that needs it raises before the first step under CP (`require_integration`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import importlib.metadata
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import wrapt
@@ -52,7 +59,12 @@ def _innermost(obj, name: str):
 
 
 def source_digest(obj) -> str:
-    return hashlib.sha256(inspect.getsource(_innermost(obj, obj.__name__)).encode()).hexdigest()[:16]
+    """The first 16 hex digits of the sha256 of the target's source ("unreadable" without a source file)."""
+    try:
+        source = inspect.getsource(_innermost(obj, obj.__name__))
+    except (OSError, TypeError):
+        return "unreadable"
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
 def _version_of(dotted: str) -> str:
@@ -63,38 +75,51 @@ def _version_of(dotted: str) -> str:
         return package
 
 
+Expected = str | tuple[str, ...]  # a parameter, or the spellings it has had across the supported versions
+
+
+def _takes(params, expected: Expected) -> bool:
+    return any(name in params for name in ((expected,) if isinstance(expected, str) else expected))
+
+
 @dataclass(frozen=True)
 class Patch:
     """Wrap the function at `target` with a wrapt wrapper `wrapper(wrapped, instance, args, kwargs)`.
 
-    `expects` lists parameters the target's signature must have; `mirrors` pins the digest of the
-    upstream source when the replacement re-implements or rescales it (see `source_digest`), and
-    `checked_on` declares the version range that source was checked on; `requires` names an optional
-    package: when it is not installed the patch is skipped, not an error.
+    `expects` lists parameters the target's signature must have (a tuple entry: any one of the spellings the
+    parameter has had, e.g. `("past_key_values", "cache")`); `mirrors` maps each pinned digest of the
+    upstream source (see `source_digest`) to the versions it was checked on, for a replacement that
+    re-implements or rescales that source; `requires` names an optional package: when it is not installed
+    the patch is skipped, not an error.
     """
 
     target: str
     wrapper: Callable
     reason: str
-    expects: tuple[str, ...] = ()
-    mirrors: str | None = None
-    checked_on: str | None = None
+    expects: tuple[Expected, ...] = ()
+    mirrors: Mapping[str, str] | None = None
     requires: str | None = None
+
+    @property
+    def checked_on(self) -> str | None:
+        return None if not self.mirrors else "; ".join(self.mirrors.values())
 
     def check(self) -> None:
         _, name, current = _resolve(self.target)
         original = getattr(current, "__wrapped__", current) if _is_ours(current) else current
         params = inspect.signature(_innermost(original, name)).parameters
-        missing = [p for p in self.expects if p not in params]
+        missing = [p for p in self.expects if not _takes(params, p)]
         if missing:
             raise PatchTargetError(
                 f"patch target {self.target} in {_version_of(self.target)} has changed: "
                 f"it no longer takes {missing}; this vlmcp-patch release does not support that version"
             )
-        if self.mirrors is not None and source_digest(original) != self.mirrors:
+        digest = None if self.mirrors is None else source_digest(original)
+        if digest is not None and digest not in self.mirrors:
             raise PatchTargetError(
-                f"patch target {self.target} in {_version_of(self.target)} has changed: its source differs "
-                f"from the version vlmcp-patch mirrors ({self.mirrors}); upgrade vlmcp-patch or pin that version"
+                f"patch target {self.target} in {_version_of(self.target)} has changed: its source (digest "
+                f"{digest}) is none of those vlmcp-patch was checked on "
+                f"({self.checked_on}); upgrade vlmcp-patch or install one of those versions"
             )
 
     def apply(self) -> Callable[[], None]:
@@ -150,19 +175,31 @@ class RegistryPatch:
         return lambda: mapping.__setitem__(self.key, original)
 
 
+def _package(patch) -> str | None:
+    return getattr(patch, "requires", None)
+
+
 @dataclass
 class PatchSet:
-    """All of the package's patches, applied or reverted together.
+    """All of the package's patches, applied or reverted together; the one record of what is installed.
 
     Patches of optional packages (`requires`) are installed when that package is imported — at once
     if it already is, otherwise by a wrapt post-import hook — so importing vlmcp_patch never imports
-    DeepSpeed or Accelerate itself.
+    DeepSpeed or Accelerate itself. The core patches (transformers) are all-or-nothing: one target that
+    does not verify raises and nothing is patched. An optional package's patches are checked one by one:
+    one that does not verify is refused (`refused`) and the others install.
     """
 
     patches: list = field(default_factory=list)
+    refused: dict = field(default_factory=dict)  # target -> (package, why) of optional patches that did not verify
     _undo: dict = field(default_factory=dict)  # target -> undo function of the installed patches
     _active: bool = False
     _hooked: set = field(default_factory=set)
+
+    @property
+    def active(self) -> bool:
+        """Whether the package is applied (CP helpers report P=1 when it is not)."""
+        return self._active
 
     def add(self, *patches) -> None:
         self.patches.extend(patches)
@@ -173,6 +210,18 @@ class PatchSet:
         for patch in patches:
             self._undo[patch.target] = patch.apply()
 
+    def _install_optional(self, package: str) -> None:
+        for patch in self.patches:
+            if _package(patch) != package or patch.target in self._undo:
+                continue
+            try:
+                patch.check()
+            except PatchTargetError as exc:
+                self.refused[patch.target] = (package, str(exc))
+                warnings.warn(f"vlmcp-patch: {exc}. Context parallelism under {package} is refused.", stacklevel=2)
+                continue
+            self._undo[patch.target] = patch.apply()
+
     def _when_imported(self, package: str) -> None:
         if package in self._hooked:
             return
@@ -181,27 +230,36 @@ class PatchSet:
         @wrapt.when_imported(package)
         def install(_module):
             if self._active:
-                self._install([p for p in self.patches if getattr(p, "requires", None) == package])
+                self._install_optional(package)
 
     def apply(self) -> None:
         if self._active:
             return
-        now, later = [], set()
+        core, now, later = [], set(), set()
         for patch in self.patches:
-            package = getattr(patch, "requires", None)
-            if package is None or package in sys.modules:
-                now.append(patch)
+            package = _package(patch)
+            if package is None:
+                core.append(patch)
+            elif package in sys.modules:
+                now.add(package)
             elif importlib.util.find_spec(package) is not None:
                 later.add(package)
-        self._install(now)
+        self._install(core)
         self._active = True
+        for package in sorted(now):
+            self._install_optional(package)
         for package in sorted(later):
             self._when_imported(package)
 
     def revert(self) -> None:
         for target in reversed(list(self._undo)):
             self._undo.pop(target)()
+        self.refused.clear()
         self._active = False
+
+    def refusals(self, package: str) -> list[str]:
+        """Why the patches of `package` that did not verify were refused (empty when all installed)."""
+        return [why for pkg, why in self.refused.values() if pkg == package or pkg.startswith(f"{package}.")]
 
     def status(self) -> list[dict]:
         return [
@@ -209,9 +267,14 @@ class PatchSet:
                 "target": p.target,
                 "reason": p.reason,
                 "applied": p.target in self._undo,
-                "requires": getattr(p, "requires", None),
-                "mirrors": getattr(p, "mirrors", None),
+                "refused": self.refused.get(p.target, (None, None))[1],
+                "requires": _package(p),
+                "mirrors": dict(getattr(p, "mirrors", None) or {}) or None,
                 "checked_on": getattr(p, "checked_on", None),
             }
             for p in self.patches
         ]
+
+
+# The package's patches: filled by the modules that declare them, applied by `vlmcp_patch.apply()`.
+PATCHES = PatchSet()

@@ -27,9 +27,11 @@ def _version(distribution: str) -> str:
 
 def versions() -> list[str]:
     from . import __version__
-    from .compat import BELOW, MINIMUM
+    from .compat import TESTED, is_untested
 
-    lines = [f"vlmcp-patch {__version__} (transformers >={MINIMUM},<{BELOW}); Python {platform.python_version()}"]
+    untested = " — newer than the tested releases" if is_untested() else ""
+    lines = [f"vlmcp-patch {__version__} (tested on transformers {TESTED}{untested}); "
+             f"Python {platform.python_version()}"]
     lines += [f"  {name:14s} {_version(name)}" for name in PACKAGES]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
     lines.append(f"  {'accelerator':14s} {gpu}")
@@ -47,9 +49,12 @@ def kernels() -> list[str]:
 def patches(status: list[dict]) -> list[str]:
     lines = []
     for entry in status:
-        state = "installed" if entry["applied"] else f"waiting for `import {entry['requires']}`" if entry[
-            "requires"] else "not installed"
-        pinned = f" [source pinned {entry['mirrors']}, checked on {entry['checked_on']}]" if entry["mirrors"] else ""
+        state = "installed" if entry["applied"] else "REFUSED" if entry["refused"] else (
+            f"waiting for `import {entry['requires']}`" if entry["requires"] else "not installed")
+        pins = ", ".join(f"{digest} on {versions}" for digest, versions in (entry["mirrors"] or {}).items())
+        pinned = f" [source pinned: {pins}]" if pins else ""
+        if entry["refused"]:
+            pinned += f"\n      refused: {entry['refused']}"
         lines.append(f"  {state:36s} {entry['target']}{pinned}\n      {entry['reason']}")
     return lines
 

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from .errors import UnsupportedSetupError
+from .patching import PATCHES
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -50,8 +51,6 @@ class Settings:
     # None: placeholder vision passes under CP only; True: at P=1 too; False: never.
     match_vision_passes: bool | None = None
     loss_chunk_tokens: int = 0  # 0: sized automatically (one chunk's fp32 logits ~ the slice's hidden states)
-    # Whether the package's patches are installed; off (VLMCP_DISABLE=1, revert()) every helper reports P=1.
-    active: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
@@ -104,5 +103,6 @@ def enable(
 
 
 def cp_size() -> int:
-    """The CP size in effect: the configured one while the package is applied, 1 when it is off."""
-    return SETTINGS.cp_size if SETTINGS.active else 1
+    """The CP size in effect: the configured one while the package is applied, 1 when it is off
+    (`VLMCP_DISABLE=1`, `revert()`)."""
+    return SETTINGS.cp_size if PATCHES.active else 1

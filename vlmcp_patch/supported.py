@@ -1,8 +1,10 @@
-"""The model families that run under CP, declared statically, and how a model is matched against them.
+"""The registry of model families that run under CP, and how a model is matched against them.
 
-Each family names the transformers modeling module and the classes its patches target. A model is
-supported when it is (or contains, through PEFT / DDP / DeepSpeed / FSDP wrappers) an instance of one of
-the top-level classes, subclasses included: their inherited forward is the patched one.
+Each family is declared in its own module under `vlmcp_patch.models` (its classes and its patches) and
+registers itself here when that module is imported; the layers below the models (attention, the shared
+forward, the integrations) only read this registry. A model is supported when it is (or contains, through
+PEFT / DDP / DeepSpeed / FSDP wrappers) an instance of one of the registered top-level classes, subclasses
+included: their inherited forward is the patched one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Family:
-    name: str
+    """One transformers model family: its modeling module and the classes its patches target."""
+
+    name: str  # the transformers model type, e.g. "qwen3_vl"
     top_level: tuple[str, ...]  # the classes users build; their forward is patched
     text_model: str  # the text decoder, cut to this rank's slice
     multimodal_model: str | None = None  # holds the vision tower and places its features (None: text only)
@@ -26,22 +30,20 @@ class Family:
     def target(self, cls: str, attribute: str) -> str:
         return f"{self.module}.{cls}.{attribute}"
 
+    def classes(self) -> list[type]:
+        module = importlib.import_module(self.module)
+        return [getattr(module, cls) for cls in self.top_level]
 
-FAMILIES = (
-    Family("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "Qwen3VLTextModel", "Qwen3VLModel", "Qwen3VLVisionModel"),
-    Family(
-        "qwen3_vl_moe", ("Qwen3VLMoeForConditionalGeneration",), "Qwen3VLMoeTextModel", "Qwen3VLMoeModel",
-        "Qwen3VLMoeVisionModel",
-    ),
-    Family(
-        "qwen3_5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"), "Qwen3_5TextModel", "Qwen3_5Model",
-        "Qwen3_5VisionModel",
-    ),
-    Family(
-        "qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), "Qwen3_5MoeTextModel",
-        "Qwen3_5MoeModel", "Qwen3_5MoeVisionModel",
-    ),
-)
+
+FAMILIES: list[Family] = []
+
+
+def register(*families: Family) -> tuple[Family, ...]:
+    """Add the families a model module declares (once each); returns them."""
+    for family in families:
+        if all(f.name != family.name for f in FAMILIES):
+            FAMILIES.append(family)
+    return families
 
 
 def supported_class_names() -> list[str]:
@@ -49,11 +51,7 @@ def supported_class_names() -> list[str]:
 
 
 def supported_classes() -> tuple[type, ...]:
-    classes = []
-    for family in FAMILIES:
-        module = importlib.import_module(family.module)
-        classes += [getattr(module, cls) for cls in family.top_level]
-    return tuple(classes)
+    return tuple(cls for family in FAMILIES for cls in family.classes())
 
 
 def find_supported_model(model):

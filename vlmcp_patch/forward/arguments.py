@@ -6,6 +6,10 @@ import inspect
 
 import torch
 
+# The spellings of the KV-cache argument across the supported transformers: `cache` from 5.24 (`past_key_values`
+# still accepted there, deprecated), `past_key_values` before.
+CACHE_KEYWORDS = ("past_key_values", "cache")
+
 
 def call_arguments(wrapped, args, kwargs) -> dict:
     """All arguments of a call as keywords, including those collected by the target's `**kwargs`."""
@@ -26,3 +30,8 @@ def batch_device(call: dict) -> torch.device:
     """Where a forward's batch lives: small control tensors for collectives go there (NCCL takes no CPU ones)."""
     reference = batch_reference(call)
     return reference.device if reference is not None else torch.device("cpu")
+
+
+def given_cache(call: dict):
+    """The KV cache a call was given, under whichever spelling (None when there is none)."""
+    return next((call[k] for k in CACHE_KEYWORDS if call.get(k) is not None), None)

@@ -13,6 +13,7 @@ from ..attention.heads import kv_replication
 from ..distributed import CPGroup
 from ..errors import CPInputError, UnsupportedSetupError
 from ..settings import cp_size
+from .arguments import given_cache
 from .rows import is_packed_row, ordinary_batch_problem, packed_row_starts
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
@@ -52,7 +53,7 @@ def setup_problem(model, cp: CPGroup, call: dict) -> Problem | None:
         check_model_config(text_config, cp.size)
     except UnsupportedSetupError as exc:
         return Problem(UnsupportedSetupError, str(exc))
-    if call.get("past_key_values") is not None:
+    if given_cache(call) is not None:
         return Problem(
             UnsupportedSetupError,
             "a past_key_values cache (incremental decoding) cannot be used under CP; generate() runs with CP "

@@ -11,7 +11,7 @@ from ..distributed import cp_requested
 from ..errors import UnsupportedSetupError
 from ..settings import cp_size
 from ..supported import unsupported_model_message
-from .arguments import call_arguments
+from .arguments import CACHE_KEYWORDS, call_arguments
 
 
 def _three_rows(positions: torch.Tensor | None, batch: int, seq: int, device) -> torch.Tensor:
@@ -40,7 +40,8 @@ def cut_decoder_inputs(instance, call: dict, ctx: CPContext) -> None:
     call["position_ids"] = ctx.shard(positions, dim=-1).clone()
     call["inputs_embeds"] = ctx.shard(embeds, dim=1).clone()
     call["attention_mask"] = None
-    call["past_key_values"] = None
+    for name in CACHE_KEYWORDS:
+        call.pop(name, None)
     call["use_cache"] = False
 
 

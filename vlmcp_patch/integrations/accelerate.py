@@ -22,10 +22,12 @@ from ..distributed import cp_running, data_parallel_rank, data_parallel_world_si
 from ..flags import ONE_COPY_PER_CP_GROUP, scoped
 from ..patching import Patch
 from ..settings import cp_size
-from .setup import check_cp_setup
+from .setup import check_cp_setup, require_integration
 
 
 def cp_prepare_model(wrapped, instance, args, kwargs):
+    for package in ("accelerate", "transformers.trainer"):  # the Trainer's patches count only once it is imported
+        require_integration(package)
     if cp_running():
         check_cp_setup(args[0] if args else kwargs["model"])
     return wrapped(*args, **kwargs)

@@ -16,13 +16,13 @@ from ..distributed import cp_requested, data_parallel_rank, data_parallel_world_
 from ..flags import BATCH_SIZED_BY_ACCELERATE
 from ..forward.arguments import call_arguments
 from ..patching import Patch
-from .setup import check_cp_setup
+from .setup import check_cp_setup, require_integration
 
 # Digest of DeepSpeed 0.19's `DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`, which averages over all
 # W ranks and ignores the sequence-parallel size; the patch multiplies by P on that assumption. If DeepSpeed
 # starts scaling for sequence parallelism there itself, the digest changes and the patch refuses to install
 # (gradients would otherwise silently be P times too large).
-ZERO3_AVG_SCATTER_GRADS = "89aab0f80f1a80b3"
+ZERO3_AVG_SCATTER_GRADS = {"89aab0f80f1a80b3": "deepspeed>=0.19,<0.20"}
 
 
 class CPParallelState:
@@ -73,6 +73,7 @@ def _size_batch_for_replicas(config) -> None:
 
 
 def cp_deepspeed_initialize(wrapped, instance, args, kwargs):
+    require_integration("deepspeed")
     if cp_requested() and kwargs.get("mpu") is None:
         if not dist.is_initialized():
             import deepspeed
@@ -104,7 +105,6 @@ def patches() -> list[Patch]:
             "sequence-parallel size its other reduction paths divide by; multiply by P so it sums over CP",
             expects=("params_to_reduce", "communication_data_type"),
             mirrors=ZERO3_AVG_SCATTER_GRADS,
-            checked_on="deepspeed>=0.19,<0.20",
             requires="deepspeed",
         ),
         Patch(

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
-from ..distributed import get_cp_group
+from ..distributed import cp_requested, get_cp_group
 from ..errors import UnsupportedSetupError
 from ..forward.checks import check_model_config
+from ..patching import PATCHES
 from ..settings import cp_size
 from ..supported import find_supported_model, unsupported_model_message
+
+
+def require_integration(package: str) -> None:
+    """Under CP, refuse an integration whose patches did not verify on the installed `package` (a newer release
+    whose pinned source changed): CP would otherwise train wrongly there. No-op at P=1 or when all verified."""
+    refusals = PATCHES.refusals(package)
+    if refusals and cp_requested():
+        raise UnsupportedSetupError(
+            f"context parallelism under {package} needs patches that did not verify on the installed {package}: "
+            + "; ".join(refusals)
+            + f". Install a {package} release this vlmcp-patch was checked on (python -m vlmcp_patch lists them), "
+            "or set VLMCP_CP_SIZE=1."
+        )
 
 
 def check_cp_setup(model) -> None:

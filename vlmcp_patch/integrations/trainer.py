@@ -20,10 +20,22 @@ from ..flags import FULL_LOGITS, ONE_COPY_PER_CP_GROUP, scoped
 from ..patching import Patch
 from ..settings import cp_size
 from .parallelism_config import take_over_trainer_config
-from .setup import check_cp_setup
+from .setup import check_cp_setup, require_integration
+
+
+def _required_integrations(trainer) -> list[str]:
+    """The optional stacks whose patches this Trainer's CP run relies on."""
+    needed = ["accelerate"]
+    if type(trainer).__module__.startswith("trl."):
+        needed.append("trl")
+    if getattr(trainer.args, "deepspeed", None):
+        needed.append("deepspeed")
+    return needed
 
 
 def cp_create_accelerator(wrapped, instance, args, kwargs):
+    for package in _required_integrations(instance):
+        require_integration(package)
     take_over_trainer_config(instance)
     result = wrapped(*args, **kwargs)
     check_cp_setup(instance.model)

@@ -29,7 +29,7 @@ from ..patching import Patch
 
 # Digest of trl 1.16's `add_fused_lm_head` (the forward it installs included): the wrapper relies on that
 # forward's `shift_labels` path and on its per-token output fields; a different digest needs a re-check.
-FUSED_LM_HEAD = "422d009f04b66659"
+FUSED_LM_HEAD = {"422d009f04b66659": "trl>=1.16,<1.17"}
 
 # The per-token fields of TRL's `FusedCausalLMOutput`.
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
@@ -107,7 +107,6 @@ def patches() -> list[Patch]:
             "the full sequence; run the backbone under CP, score this rank's slice, gather the per-token outputs",
             expects=("model", "outputs"),
             mirrors=FUSED_LM_HEAD,
-            checked_on="trl>=1.16,<1.17",
             requires="trl",
         ),
     ]

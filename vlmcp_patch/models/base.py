@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..forward.arguments import CACHE_KEYWORDS
 from ..forward.decoder import text_model_forward
 from ..forward.top_level import cp_top_level_forward
 from ..forward.vision import cp_vision_forward
 from ..patching import Patch
 from ..supported import Family
 
-TOP_LEVEL_PARAMS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "labels", "logits_to_keep")
+TOP_LEVEL_PARAMS = ("input_ids", "attention_mask", "position_ids", CACHE_KEYWORDS, "labels", "logits_to_keep")
 
 
 def family_patches(family: Family, text_params: tuple, cut_family_inputs: Callable | None = None) -> list[Patch]:

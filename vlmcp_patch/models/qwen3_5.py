@@ -18,6 +18,7 @@ kernels are used when transformers selected them, and its pure-torch fallback ot
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -28,14 +29,33 @@ from ..attention.heads import BSHD, kv_replication
 from ..collectives import all_to_all, gather_sum_grad
 from ..context import CTX_KWARG, CPContext
 from ..forward.arguments import call_arguments
-from ..patching import Patch
-from ..supported import FAMILIES
+from ..patching import Patch, source_digest
+from ..supported import Family, register
 from .base import family_patches
 
+FAMILIES = register(
+    Family(
+        "qwen3_5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"), "Qwen3_5TextModel", "Qwen3_5Model",
+        "Qwen3_5VisionModel",
+    ),
+    Family(
+        "qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), "Qwen3_5MoeTextModel",
+        "Qwen3_5MoeModel", "Qwen3_5MoeVisionModel",
+    ),
+)
 TEXT_MODEL_PARAMS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "use_cache")
-# Digest of the upstream Qwen3_5GatedDeltaNet.forward that `gated_deltanet_over_cp` re-implements
-# (identical in the MoE module). A different digest means upstream changed the layer: re-check it.
-GATED_DELTANET_FORWARD = "8f31ae7d35daf534"
+# Digests of the upstream Qwen3_5GatedDeltaNet.forward that `gated_deltanet_over_cp` re-implements (the same in
+# the MoE module), with the releases each was checked on. A digest not listed means upstream changed the layer:
+# re-check it. Between them only the cache handling (not used under CP) differs, and where q and k are repeated
+# to the value heads: in the layer's forward before the delta rule up to 5.22, inside the rule functions from
+# 5.23 (grouped value attention).
+GATED_DELTANET_FORWARD = {
+    "bd25761e1031fff0": "transformers>=5.16,<5.21",
+    "43718d6c3e7255e6": "transformers>=5.21,<5.23",
+    "8f31ae7d35daf534": "transformers>=5.23,<5.24",
+    "08cf65a63ca582a2": "transformers>=5.24,<5.25",
+}
+FORWARD_REPEATS_KEY_HEADS = {"bd25761e1031fff0", "43718d6c3e7255e6"}
 
 
 def _takes_packed_sequences(fn) -> bool:
@@ -149,8 +169,18 @@ def _causal_conv(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
     )
 
 
-def _delta_rule(modeling, q, k, v, g, beta, ctx: CPContext) -> torch.Tensor:
+@functools.cache
+def _rule_expects_repeated_keys(layer_class: type) -> bool:
+    """Whether the installed layer repeats q and k to the value heads before calling the delta rule (see
+    `GATED_DELTANET_FORWARD`): then the rule functions of that release expect as many key as value heads."""
+    return source_digest(layer_class.forward) in FORWARD_REPEATS_KEY_HEADS
+
+
+def _delta_rule(modeling, layer, q, k, v, g, beta, ctx: CPContext) -> torch.Tensor:
     """The gated delta rule of this rank's heads over the whole row, reset at every packed sample."""
+    if _rule_expects_repeated_keys(type(layer)) and v.shape[BSHD.heads] != q.shape[BSHD.heads]:
+        groups = v.shape[BSHD.heads] // q.shape[BSHD.heads]
+        q, k = q.repeat_interleave(groups, dim=BSHD.heads), k.repeat_interleave(groups, dim=BSHD.heads)
     rule = modeling.torch_chunk_gated_delta_rule
     options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
     if _takes_packed_sequences(rule):
@@ -169,7 +199,7 @@ def gated_deltanet_over_cp(layer, hidden_states: torch.Tensor, ctx: CPContext) -
     q, k, v = _heads_over_whole_sequence(layer, layer.in_proj_qkv(hidden_states), share, ctx)
     beta, g = _gates(layer, layer.in_proj_b(hidden_states), layer.in_proj_a(hidden_states), share, ctx)
     q, k, v = _causal_conv(modeling, layer, q, k, v, share, ctx)
-    out = _delta_rule(modeling, q, k, v, g, beta, ctx)
+    out = _delta_rule(modeling, layer, q, k, v, g, beta, ctx)
     out = all_to_all(out, BSHD.seq, BSHD.heads, ctx.cp.group, ctx.cp.size)  # (batch, local_len, num_v, head_v_dim)
 
     out = layer.norm(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
@@ -186,8 +216,6 @@ def cp_gated_deltanet_forward(wrapped, instance, args, kwargs):
 def patches() -> list[Patch]:
     out = []
     for family in FAMILIES:
-        if not family.name.startswith("qwen3_5"):
-            continue
         out += family_patches(family, TEXT_MODEL_PARAMS)
         prefix = family.text_model.removesuffix("TextModel")
         out.append(
@@ -196,9 +224,8 @@ def patches() -> list[Patch]:
                 wrapper=cp_gated_deltanet_forward,
                 reason="under CP: exchange sequence for heads so the causal conv and the delta-rule recurrence "
                 "see the whole sequence (reset per packed sample) for this rank's heads",
-                expects=("hidden_states", "cache_params", "attention_mask"),
+                expects=("hidden_states", ("cache_params", "cache"), "attention_mask"),
                 mirrors=GATED_DELTANET_FORWARD,
-                checked_on="transformers>=5.23,<5.24",
             )
         )
     return out

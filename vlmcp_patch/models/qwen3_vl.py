@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from ..context import CPContext
 from ..patching import Patch
-from ..supported import FAMILIES
+from ..supported import Family, register
 from .base import family_patches
 
+FAMILIES = register(
+    Family("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "Qwen3VLTextModel", "Qwen3VLModel", "Qwen3VLVisionModel"),
+    Family(
+        "qwen3_vl_moe", ("Qwen3VLMoeForConditionalGeneration",), "Qwen3VLMoeTextModel", "Qwen3VLMoeModel",
+        "Qwen3VLMoeVisionModel",
+    ),
+)
 TEXT_MODEL_PARAMS = ("inputs_embeds", "position_ids", "visual_pos_masks", "deepstack_visual_embeds")
 
 
@@ -31,9 +38,4 @@ def cut_deepstack_rows(call: dict, ctx: CPContext) -> None:
 
 
 def patches() -> list[Patch]:
-    return [
-        patch
-        for family in FAMILIES
-        if family.name.startswith("qwen3_vl")
-        for patch in family_patches(family, TEXT_MODEL_PARAMS, cut_deepstack_rows)
-    ]
+    return [patch for family in FAMILIES for patch in family_patches(family, TEXT_MODEL_PARAMS, cut_deepstack_rows)]
