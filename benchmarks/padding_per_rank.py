@@ -17,7 +17,9 @@ import torch
 
 from vlmcp_patch.context import CPContext
 from vlmcp_patch.distributed import CPGroup
-from vlmcp_patch.forward.rows import packed_row_of_batch
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config
+from vlmcp_patch.forward.checks import plan_batch
+from vlmcp_patch.forward.rows import lay_out
 from vlmcp_patch.layout import round_up, shard_slice
 
 
@@ -39,7 +41,9 @@ def contiguous_slices(mask: torch.Tensor, size: int) -> list[tuple[int, int]]:
 
 def padding_free(batch: dict, size: int) -> list[tuple[int, int]]:
     call = dict(batch)
-    segments, rows = packed_row_of_batch(None, call)
+    plan, problem = plan_batch(build_model(tiny_qwen3_5_config(text_only=True)), call, packed=False)
+    assert problem is None, problem
+    segments, rows = lay_out(call, plan)
     out = []
     for rank in range(size):
         ctx = CPContext(cp=CPGroup(group=None, rank=rank, size=size), segments=segments, rows=rows)

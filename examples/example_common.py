@@ -76,8 +76,18 @@ def with_lora_and_frozen_vision(model):
     return get_peft_model(model, lora)
 
 
-def data_collator(name: str):
+# Batch formats of the synthetic samples: right-padded rows, or the two formats of the official Qwen3-VL
+# fine-tuning script (its own 3D positions and no mm_token_type_ids; padded, or flattened into one packed row).
+DATA_FORMATS = ("padded", "official-padded", "official-flattened")
+
+
+def data_collator(name: str, data_format: str = "padded", model=None):
     """How samples become batches: synthetic samples for the tiny models, the checkpoint's processor otherwise."""
+    if name in TINY and data_format != "padded":
+        from vlmcp_patch.fixtures.official import OfficialFlattenedCollator, OfficialPaddedCollator
+
+        collator = OfficialPaddedCollator if data_format == "official-padded" else OfficialFlattenedCollator
+        return collator(model.model.get_rope_index)
     if name in TINY:
         return PaddingCollator()
     from transformers import AutoProcessor

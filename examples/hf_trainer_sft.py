@@ -28,6 +28,7 @@ import os
 import torch
 from accelerate import ParallelismConfig
 from example_common import (
+    DATA_FORMATS,
     TINY,
     data_collator,
     describe_wrapper,
@@ -65,6 +66,9 @@ def main(argv=None) -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (for checkpoints on GPUs)")
     parser.add_argument("--optim", default="adamw_torch", help="any TrainingArguments.optim, e.g. sgd")
     parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--data-format", default="padded", choices=DATA_FORMATS,
+                        help="batches of the tiny models: right-padded rows, or the official Qwen3-VL fine-tuning "
+                        "script's formats (its own 3D positions, no mm_token_type_ids; padded or one flattened row)")
     parser.add_argument("--output-dir", default="out/hf_trainer_sft")
     parser.add_argument("--save-weights", help="rank 0 saves the trained state dict here (for comparisons)")
     parser.add_argument("--save-logs", help="rank 0 saves the Trainer's log history here (json)")
@@ -100,6 +104,9 @@ def main(argv=None) -> None:
         model = with_lora_and_frozen_vision(model)
     if args.activation_checkpointing:  # recomputed layers must not append to a KV cache a second time
         model.config.use_cache = model.config.get_text_config().use_cache = False
+    # The evaluation loop gathers every output field but these; transformers 5.24's vision outputs differ in size
+    # between replicas with different images, and their gather fails (without CP too).
+    model.config.keys_to_ignore_at_inference = ["past_key_values", "cache", "image_outputs", "video_outputs"]
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
@@ -139,7 +146,7 @@ def main(argv=None) -> None:
         args=training_args,
         train_dataset=samples(args.model, args.samples),
         eval_dataset=samples(args.model, args.eval_samples, seed=10_000) if args.eval_samples else None,
-        data_collator=data_collator(args.model),
+        data_collator=data_collator(args.model, args.data_format, model),
         compute_metrics=token_accuracy if args.eval_samples else None,
         callbacks=[vlmcp_patch.VLMCPCallback()],  # optional: setup checks and CP facts in the logs
     )
@@ -161,7 +168,7 @@ def main(argv=None) -> None:
         print(f"model wrapped by: {wrapper}")
         if args.save_logs:
             with open(args.save_logs, "w") as f:
-                json.dump([*logs, {"wrapper": wrapper}], f)
+                json.dump([*logs, {"wrapper": wrapper, "patched": vlmcp_patch.PATCHES.active}], f)
         if args.save_weights:
             torch.save(state, args.save_weights)
 

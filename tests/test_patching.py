@@ -277,3 +277,30 @@ def test_python_m_vlmcp_patch_reports_and_self_tests():
         assert section in out.stdout
     assert out.stdout.count("PASS") == 2 and "FAIL" not in out.stdout
     assert "on deepspeed>=0.19,<0.20" in out.stdout
+
+
+def _reloaded_cp_forward(rank, world_size):
+    import importlib
+
+    import vlmcp_patch as package
+    from vlmcp_patch.fixtures.data import Segment as S
+    from vlmcp_patch.fixtures.data import make_batch
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+
+    declared = len(package.status())
+    package = importlib.reload(package)
+    model, batch = build_model(tiny_qwen3_vl_config()), make_batch([[S(text=5), S(image=(16, 16)), S(text=6)]], seed=1)
+    p1 = float(model(**batch).loss)
+    package.enable(cp_size=world_size)
+    try:
+        return declared, len(package.status()), float(model(**batch).loss), p1
+    finally:
+        package.enable(cp_size=1)
+
+
+def test_a_reloaded_package_still_runs_cp():
+    from tests.harness import run_distributed
+
+    for declared, after_reload, cp_loss, p1_loss in run_distributed(_reloaded_cp_forward, 2, timeout=120):
+        assert declared == after_reload  # one record per target, not two
+        assert abs(cp_loss - p1_loss) <= 1e-5 * abs(p1_loss)

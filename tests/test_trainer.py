@@ -39,15 +39,16 @@ def _launch(name: str, procs: int, cp_size: int, model: str, extra=(), launcher=
     out = launch(SCRIPT, args, procs=procs, launcher=launcher, env=env, timeout=400)
     assert out.returncode == 0, out.stderr[-4000:]
     entries = json.loads((tmp / "log.json").read_text())
-    wrapper = next(e["wrapper"] for e in entries if "wrapper" in e)
+    about = next(e for e in entries if "wrapper" in e)
     steps = [e for e in entries if "loss" in e or "eval_loss" in e]
-    return Run(torch.load(tmp / "w.pt"), steps, wrapper, tmp / "out",
-               next(e for e in entries if "train_samples_per_second" in e))
+    return Run(torch.load(tmp / "w.pt"), steps, about["wrapper"], tmp / "out",
+               next(e for e in entries if "train_samples_per_second" in e), about["patched"])
 
 
 class Run:
-    def __init__(self, weights, steps, wrapper, output, summary):
+    def __init__(self, weights, steps, wrapper, output, summary, patched):
         self.weights, self.steps, self.wrapper, self.output, self.summary = weights, steps, wrapper, output, summary
+        self.patched = patched  # whether the package's patches were installed in that run
 
     @property
     def train(self):
@@ -171,6 +172,37 @@ def test_fsdp2_checkpoints_under_cp_load_as_p1_and_resume_exactly():
 
 
 # --------------------------------------------------------------------------------------------------------
+# The official Qwen3-VL fine-tuning script's batches (QwenLM/Qwen3-VL, qwen-vl-finetune): its own 3D positions and
+# no mm_token_type_ids, right-padded, or flattened into one row whose attention_mask holds the cumulative sample
+# lengths (vlmcp_patch/fixtures/official.py builds both from the synthetic samples).
+
+OFFICIAL = ["official-padded", "official-flattened"]
+
+
+@functools.cache
+def p1_official(data_format: str) -> Run:
+    return _launch(f"p1-{data_format}", 1, 1, VL, ["--data-format", data_format])
+
+
+@pytest.mark.parametrize("wrapper", ["DDP", "DeepSpeed ZeRO-3"])
+@pytest.mark.parametrize("data_format", OFFICIAL)
+def test_the_official_scripts_batches_train_at_cp2_as_one_process(data_format, wrapper):
+    extra = ["--data-format", data_format, *(_deepspeed(3) if wrapper.startswith("DeepSpeed") else [])]
+    run = _launch(f"official-{data_format}-{wrapper[-1]}", 2, 2, VL, extra)
+    assert run.wrapper == wrapper
+    assert_trains_like(run, p1_official(data_format), clipped=False)
+
+
+def test_the_official_scripts_padded_batches_at_p1_are_stock_bit_for_bit():
+    stock = _launch("stock-official-padded", 1, 1, VL, ["--data-format", "official-padded"],
+                    env={"VLMCP_DISABLE": "1"})
+    ours = p1_official("official-padded")
+    assert all(torch.equal(ours.weights[k], stock.weights[k]) for k in stock.weights)
+    assert [e["loss"] for e in ours.train] == [e["loss"] for e in stock.train]
+    assert ours.patched and not stock.patched  # the package really ran in one and not in the other
+
+
+# --------------------------------------------------------------------------------------------------------
 # CP=2 x DP=2 on four processes: two replicas whose micro-batches mix text-only and image samples, against one
 # process accumulating both replicas' micro-batches (the same global batches). Stock DDP without
 # find_unused_parameters, ZeRO-2 and FSDP2 fail there (gradient buckets / reduce-scatters differ) and ZeRO-3
@@ -237,7 +269,7 @@ def test_an_unsupported_model_under_cp_is_refused_before_the_first_step():
 
 def test_callback_rejects_bad_setups_before_training():
     import vlmcp_patch
-    from tests.error_cases import qwen3_text_model
+    from tests.error_cases import SCENARIOS
     from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
 
     vlmcp_patch.enable(cp_size=2)
@@ -245,7 +277,7 @@ def test_callback_rejects_bad_setups_before_training():
         with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="eager"):
             vlmcp_patch.check_cp_setup(build_model(tiny_qwen3_vl_config(attn_implementation="eager")))
         with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="Qwen3VLForConditionalGeneration"):
-            vlmcp_patch.check_cp_setup(qwen3_text_model())
+            vlmcp_patch.check_cp_setup(SCENARIOS["unsupported_model"](0)[0])
         with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="3 query heads"):
             vlmcp_patch.check_cp_setup(build_model(tiny_qwen3_vl_config(num_attention_heads=3, num_key_value_heads=1)))
         with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="needs torch.distributed"):

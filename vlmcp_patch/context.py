@@ -64,8 +64,7 @@ class CPContext:
     cp: CPGroup
     segments: list[Segment]  # samples of the packed row (real tokens, back to back)
     rows: RowLayout | None = None  # the caller's batch, when it was not already the row
-    last_hidden_state: torch.Tensor | None = None  # this rank's slice of the decoder output, set by the decoder
-    decoder_entered: bool = False
+    decoder_entered: bool = False  # set once by the text decoder that takes this forward (`take_for_decoder`)
 
     @property
     def seq_len(self) -> int:

@@ -202,7 +202,14 @@ class PatchSet:
         return self._active
 
     def add(self, *patches) -> None:
-        self.patches.extend(patches)
+        """Declare patches; declaring a target again (e.g. after `importlib.reload(vlmcp_patch)`) keeps one record."""
+        known = {p.target: i for i, p in enumerate(self.patches)}
+        for patch in patches:
+            if patch.target in known:
+                self.patches[known[patch.target]] = patch
+            else:
+                known[patch.target] = len(self.patches)
+                self.patches.append(patch)
 
     def _install(self, patches: list) -> None:
         for patch in patches:  # check everything before changing anything

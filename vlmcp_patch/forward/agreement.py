@@ -52,6 +52,9 @@ HINTS["pixel_values_videos"] = HINTS["pixel_values"]
 HINTS["shift_labels"] = HINTS["labels"]
 
 
+_NAN, _POSINF = 7.3e3, 9.1e3  # finite stand-ins for non-finite values in fingerprints
+
+
 def _stable_hash(text: str) -> float:
     return float(zlib.crc32(text.encode()))
 
@@ -72,10 +75,14 @@ def tensor_fingerprint(t: torch.Tensor) -> list[float]:
     compute = torch.float32 if t.is_floating_point() else torch.float64
     cols = torch.stack([_weights(matrix.shape[1], 0.6180339887498949, t.device),
                         _weights(matrix.shape[1], 0.7548776662466927, t.device)], dim=1).to(compute)
-    per_row = (matrix.to(compute) @ cols).double()
     rows = torch.stack([_weights(matrix.shape[0], 0.5698402909980532, t.device),
                         _weights(matrix.shape[0], 0.3247179572447460, t.device)], dim=1)
-    sums = (per_row * rows).sum(0)
+    sums = ((matrix.to(compute) @ cols).double() * rows).sum(0)
+    if not bool(sums.isfinite().all()):
+        # NaN / inf in the data (a diverged batch, as stock would run it): fingerprint them by position with
+        # finite stand-ins, so identical batches agree (NaN != NaN) and differing ones still differ.
+        finite = torch.nan_to_num(matrix.to(compute), nan=_NAN, posinf=_POSINF, neginf=-_POSINF)
+        sums = ((finite @ cols).double() * rows).sum(0)
     return [meta, float(sums[0]), float(sums[1])]
 
 

@@ -35,3 +35,9 @@ def batch_device(call: dict) -> torch.device:
 def given_cache(call: dict):
     """The KV cache a call was given, under whichever spelling (None when there is none)."""
     return next((call[k] for k in CACHE_KEYWORDS if call.get(k) is not None), None)
+
+
+def has_vision(call: dict) -> bool:
+    """Whether a call carries images or videos (pixels or grids)."""
+    keys = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+    return any(call.get(k) is not None for k in keys)

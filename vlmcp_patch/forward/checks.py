@@ -1,33 +1,90 @@
-"""What cannot run exactly under CP, found before any compute.
+"""Every rule about one forward's batch, in one pass: what cannot run exactly under CP, what stock's compute
+would trip on, and — for a batch that runs — the plan `rows.py` lays out as one packed row.
 
-Each check returns a `Problem` instead of raising: the ranks of a CP group first agree (one small
-collective, `agreement.py`) and then all raise together, so no rank is left waiting in a collective
-that the others never reach.
+The rules are derived from what stock transformers does with each input:
+
+* tokens: exactly one of `input_ids` (in the vocabulary) and `inputs_embeds`;
+* `attention_mask`: none, a 2D (batch, seq) padding mask of any pattern (stock attends causally among each
+  row's real tokens, so dropping the padding is exact; Qwen3.5's DeltaNet layers also run through padding
+  as zeros, which equals dropping it only where a row's real tokens are contiguous), or — the official
+  Qwen3-VL fine-tuning script's packed rows — the 1D cumulative sample lengths of one row. A 4D mask cannot
+  be split;
+* `position_ids`: none (computed as stock computes them: `compute_3d_position_ids` on the caller's batch,
+  else 0, 1, ... per row), 2D text positions, or 3 (mRoPE) / 4 (text + mRoPE) rows, used as given;
+* attention segments: each row's real tokens are one sequence, split further where stock splits them —
+  at restarting text positions when there is no mask (sdpa without a cache, flash-attention on one row);
+* labels: the batch's shape, each in the vocabulary or -100, none at a padding position (padding is not
+  computed);
+* vision: grids of positive sizes divisible by the merge size, pixel rows matching the grids, as many image
+  / video tokens as the grids give.
+
+A **packed row** in the documented convention takes the package's path at P=1 too (`is_packed_row`): its
+samples then run as if alone (per-sample mRoPE, attention and DeltaNet state restart at every sample).
+
+Each rule yields a `Problem` instead of raising: the ranks of a CP group first agree (one small collective,
+`agreement.py`) and then all raise together, so no rank is left waiting in a collective the others never
+reach.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..attention.heads import kv_replication
 from ..distributed import CPGroup
 from ..errors import CPInputError, UnsupportedSetupError
+from ..layout import Segment, starts_of
+from ..loss import IGNORE_INDEX, shifted_labels
 from ..settings import cp_size
-from .arguments import given_cache
-from .rows import is_packed_row, ordinary_batch_problem, packed_row_starts
+from .arguments import batch_reference, given_cache
+from .positions import per_sample_mrope, stock_positions
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
+VISION = (("image", "pixel_values", "image_grid_thw", "image_token_id"),
+          ("video", "pixel_values_videos", "video_grid_thw", "video_token_id"))
+CU_SEQ_LENS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 @dataclass
 class Problem:
-    """A reason this rank cannot run the batch under CP; raised on every rank of the group."""
+    """A reason this rank cannot run the batch; raised on every rank of the group."""
 
     error: type
     message: str
 
     def raise_it(self):
         raise self.error(self.message)
+
+
+class _Rejected(Exception):
+    def __init__(self, problem: Problem):
+        self.problem = problem
+
+
+def _reject(message: str, error: type = CPInputError):
+    raise _Rejected(Problem(error, message))
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one forward's batch becomes the packed row, decided once by `plan_batch` for `rows.lay_out`.
+
+    `real` (batch, seq) bool marks the caller's real tokens (None: every token of a single row); the packed
+    row is those tokens back to back, row by row. `segments` are its attention segments (the samples), in
+    row coordinates. `positions` are the position ids on the caller's layout (..., batch, seq), given or
+    computed as stock computes them. `packed`: the documented packed-row convention.
+    """
+
+    real: torch.Tensor | None
+    segments: list[Segment]
+    positions: torch.Tensor
+    packed: bool
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model and the call's options
 
 
 def check_model_config(text_config, size: int) -> None:
@@ -39,11 +96,15 @@ def check_model_config(text_config, size: int) -> None:
             "packed rows; load the model with attn_implementation='sdpa' or 'flash_attention_2'."
         )
     kv_replication(text_config.num_attention_heads, text_config.num_key_value_heads, size, "softmax attention")
-    if getattr(text_config, "linear_num_value_heads", None):
+    if has_deltanet(text_config):
         kv_replication(
             text_config.linear_num_value_heads, text_config.linear_num_key_heads, size, "gated DeltaNet",
             ("value", "key"),
         )
+
+
+def has_deltanet(text_config) -> bool:
+    return bool(getattr(text_config, "linear_num_value_heads", None))
 
 
 def setup_problem(model, cp: CPGroup, call: dict) -> Problem | None:
@@ -78,41 +139,284 @@ def setup_problem(model, cp: CPGroup, call: dict) -> Problem | None:
     return None
 
 
-def _vision_count_problem(config, call: dict) -> Problem | None:
-    input_ids = call.get("input_ids")
-    for kind, pixels, grid, token in (
-        ("image", "pixel_values", "image_grid_thw", "image_token_id"),
-        ("video", "pixel_values_videos", "video_grid_thw", "video_token_id"),
-    ):
-        if call.get(pixels) is None or input_ids is None:
+# ---------------------------------------------------------------------------------------------------------
+# Which batch takes the package's path at P=1: the packed-row convention
+
+
+def text_positions(call: dict) -> torch.Tensor | None:
+    """The text position ids stock builds its attention mask from: 2D `position_ids`, or the first of 4 rows."""
+    positions = call.get("position_ids")
+    if positions is None or positions.ndim not in (2, 3):
+        return None
+    if positions.ndim == 2:
+        return positions
+    return positions[0] if positions.shape[0] == 4 else None
+
+
+def _cumulative_lengths_mask(call: dict) -> bool:
+    mask = call.get("attention_mask")
+    return mask is not None and mask.ndim == 1 and not mask.is_floating_point() and mask.dtype != torch.bool
+
+
+def is_packed_row(call: dict) -> bool:
+    """The packed-row convention — the only batch that takes the package's path at P=1: one row and either
+    no `attention_mask` with 2D text positions that restart (`DataCollatorWithFlattening`, optionally with
+    `cu_seq_lens_q/k`) or `cu_seq_lens_q` of several samples, or an `attention_mask` holding the row's 1D
+    cumulative sample lengths [0, l1, l1 + l2, ...] (the official Qwen3-VL fine-tuning script's packing)."""
+    reference = batch_reference(call)
+    if reference is None or reference.ndim < 2 or reference.shape[0] != 1:
+        return False
+    if _cumulative_lengths_mask(call):
+        return True
+    if call.get("attention_mask") is not None:
+        return False
+    positions = call.get("position_ids")
+    if positions is not None and positions.ndim == 2 and bool(starts_of(positions)[..., 1:].any()):
+        return True
+    cu = call.get("cu_seq_lens_q")
+    return cu is not None and cu.numel() > 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokens, labels, vision
+
+
+def _check_tokens(model, call: dict) -> tuple[int, int]:
+    ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
+    if (ids is None) == (embeds is None):
+        _reject("You must specify exactly one of input_ids or inputs_embeds", ValueError)
+    if ids is not None:
+        if ids.ndim != 2:
+            _reject(f"input_ids must be (batch, seq); got shape {tuple(ids.shape)}")
+        vocab = model.get_input_embeddings().num_embeddings
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
+            _reject(f"input_ids hold {bad}, outside the vocabulary [0, {vocab}) of the embedding")
+        return tuple(ids.shape)
+    if embeds.ndim != 3:
+        _reject(f"inputs_embeds must be (batch, seq, hidden); got shape {tuple(embeds.shape)}")
+    return tuple(embeds.shape[:2])
+
+
+def _check_labels(model, call: dict, shape: tuple[int, int]) -> None:
+    vocab = model.config.get_text_config().vocab_size
+    for name in ("labels", "shift_labels"):
+        labels = call.get(name)
+        if labels is None:
             continue
-        if call.get(grid) is None:
-            return Problem(CPInputError, f"{pixels} was given without {grid}")
-        merge = config.vision_config.spatial_merge_size
-        expected = int((call[grid].prod(-1) // merge**2).sum())
-        found = int((input_ids == getattr(config, token)).sum())
+        if tuple(labels.shape) != shape:
+            _reject(f"{name} have shape {tuple(labels.shape)} but the tokens {shape}: give one label per token "
+                    "(-100 where there is no target)", ValueError)
+        valid = labels[labels != IGNORE_INDEX]
+        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
+            bad = int(valid.max()) if int(valid.max()) >= vocab else int(valid.min())
+            _reject(f"{name} hold {bad}, outside the vocabulary [0, {vocab}) (and not -100): the loss would fail "
+                    f"with 'Target {bad} is out of bounds'")
+
+
+def _count_tokens(model, call: dict, token_id: int) -> int:
+    """Placeholder tokens of `token_id`, found as stock finds them: by id, or by embedding with embeddings only."""
+    if call.get("input_ids") is not None:
+        return int((call["input_ids"] == token_id).sum())
+    embeds = call["inputs_embeds"]
+    token = model.get_input_embeddings()(torch.tensor(token_id, device=embeds.device))
+    return int((embeds == token).all(-1).sum())
+
+
+def _check_grid(grid: torch.Tensor, name: str, merge: int) -> None:
+    if grid.ndim != 2 or grid.shape[-1] != 3 or grid.is_floating_point():
+        _reject(f"{name} must be an integer (items, 3) tensor of (t, h, w) patch counts; got {tuple(grid.shape)}")
+    if grid.numel() and (bool((grid < 1).any()) or bool((grid[:, 1:] % merge).any())):
+        _reject(f"{name} rows must be positive (t, h, w) with h and w multiples of the merge size {merge}; got "
+                f"{grid.tolist()}")
+
+
+def _check_vision(model, call: dict) -> None:
+    vision = getattr(model.config, "vision_config", None)
+    if vision is None:
+        return
+    merge = vision.spatial_merge_size
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    for kind, pixels_key, grid_key, token_key in VISION:
+        pixels, grid = call.get(pixels_key), call.get(grid_key)
+        if pixels is None:
+            continue
+        if grid is None:
+            _reject(f"{pixels_key} was given without {grid_key}")
+        _check_grid(grid, grid_key, merge)
+        rows = int(grid.prod(-1).sum())
+        if pixels.ndim != 2 or tuple(pixels.shape) != (rows, width):
+            _reject(f"{pixels_key} has shape {tuple(pixels.shape)} but {grid_key} {grid.tolist()} asks for "
+                    f"({rows}, {width}) patch rows; build both with the same processor")
+        expected, found = rows // merge**2, _count_tokens(model, call, getattr(model.config, token_key))
         if expected != found:
-            return Problem(
-                CPInputError,
-                f"{kind} features and {kind} tokens do not match: {grid} gives {expected} {kind} tokens but "
-                f"input_ids holds {found}; build input_ids with the same processor as the {pixels}.",
-            )
-    return None
+            _reject(f"{kind} features and {kind} tokens do not match: {grid_key} gives {expected} {kind} tokens but "
+                    f"the tokens hold {found}; build input_ids with the same processor as the {pixels_key}.")
 
 
-def batch_problem(model, call: dict) -> Problem | None:
-    """The batch against CP: its layout (packed row or ordinary batch) and its vision inputs."""
-    if call.get("input_ids") is None and call.get("inputs_embeds") is None:
-        return Problem(CPInputError, "pass input_ids or inputs_embeds")
-    if is_packed_row(call):
-        try:
-            packed_row_starts(call)
-        except CPInputError as exc:
-            return Problem(CPInputError, str(exc))
-    else:
-        reason = ordinary_batch_problem(call)
-        if reason is not None:
-            return Problem(CPInputError, reason)
-    if hasattr(model.config, "vision_config"):
-        return _vision_count_problem(model.config, call)
-    return None
+# ---------------------------------------------------------------------------------------------------------
+# Masks and positions
+
+
+def _check_position_shape(call: dict, shape: tuple[int, int]) -> None:
+    positions = call.get("position_ids")
+    if positions is None:
+        return
+    batch, seq = shape
+    rows_ok = positions.ndim == 2 or (positions.ndim == 3 and positions.shape[0] in (3, 4))
+    if not rows_ok or positions.shape[-1] != seq or positions.shape[-2] not in (1, batch):
+        _reject(f"position_ids have shape {tuple(positions.shape)}; for tokens {shape} give (batch or 1, seq) text "
+                "positions, or (3 or 4, batch or 1, seq) mRoPE positions")
+
+
+def _check_mask_values(mask: torch.Tensor, shape: tuple[int, int], deltanet: bool) -> torch.Tensor:
+    """The real tokens (batch, seq) of a 2D padding mask."""
+    if mask.ndim == 4:
+        _reject("a 4D attention_mask (a custom attention pattern) cannot be split under CP; pass the 2D padding "
+                "mask, or pack samples into one row with restarting position_ids", UnsupportedSetupError)
+    if mask.ndim != 2 or tuple(mask.shape) != shape:
+        _reject(f"attention_mask has shape {tuple(mask.shape)}; under CP it must be the 2D (batch, seq) padding mask "
+                f"for tokens {shape}, or the 1D cumulative sample lengths of a packed row")
+    real = mask.bool()
+    if deltanet and not bool(((mask == 0) | (mask == 1)).all()):
+        _reject("attention_mask holds values other than 0 and 1: the DeltaNet layers scale their inputs by it")
+    if not bool(real.any()):
+        _reject("the batch holds no token: attention_mask is all zeros")
+    return real
+
+
+def _contiguous(real: torch.Tensor) -> bool:
+    """Whether each row's real tokens form one run (left, right or both-sided padding, no holes)."""
+    edges = torch.diff(real.int(), dim=-1, prepend=torch.zeros_like(real[:, :1], dtype=torch.int))
+    return bool(((edges == 1).sum(-1) <= 1).all())
+
+
+def _check_padding(call: dict, real: torch.Tensor, deltanet: bool) -> None:
+    if deltanet and not _contiguous(real):
+        _reject("attention_mask has holes (padding between real tokens of a row): the DeltaNet layers run through "
+                "them as zeros, which cannot be split exactly; pad on either side only, or pack the samples")
+    targets = call["shift_labels"] if call.get("shift_labels") is not None else (
+        None if call.get("labels") is None else shifted_labels(call["labels"]))
+    if targets is not None and bool(((targets != IGNORE_INDEX) & ~real.to(targets.device)).any()):
+        _reject("labels at padding positions (attention_mask 0) must be -100 under CP: padding is not computed. "
+                "Mask them as most collators do (labels[attention_mask == 0] = -100).")
+
+
+def _stock_restarts(model, call: dict, text: torch.Tensor, batch: int) -> torch.Tensor | None:
+    """(batch, seq) bool: where stock starts a new attention sequence inside a row from its text positions when
+    there is no mask — sdpa without a KV cache (where positions do not continue by +1), flash-attention on one
+    row (at the smallest position) — or None when it attends over each whole row."""
+    config = model.config.get_text_config()
+    text = text.expand(batch, -1)
+    if config._attn_implementation == "flash_attention_2":
+        if batch != 1 or not bool(((torch.arange(text.shape[-1], device=text.device) + text.min()) != text).any()):
+            return None
+        return text == text.min()
+    use_cache = call.get("use_cache")
+    if (config.use_cache if use_cache is None else use_cache) or not bool(starts_of(text)[..., 1:].any()):
+        return None
+    return starts_of(text)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The plan
+
+
+def _segments(real: torch.Tensor | None, starts: torch.Tensor) -> list[Segment]:
+    """Segments of the packed row (the real tokens back to back) from sample starts on the caller's layout."""
+    flat = starts.reshape(-1) if real is None else starts[real]
+    bounds = [*flat.nonzero().flatten().tolist(), int(flat.numel())]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _packed_row_starts(call: dict, seq: int) -> torch.Tensor:
+    """(1, seq) bool sample starts of a packed row, from its text positions and / or cumulative lengths."""
+    text = text_positions(call)
+    starts = None if text is None else starts_of(text)
+    mask_cu = call["attention_mask"] if _cumulative_lengths_mask(call) else None
+    for name, cu in (("attention_mask", mask_cu), ("cu_seq_lens_q", call.get("cu_seq_lens_q"))):
+        if cu is None:
+            continue
+        from_cu = _starts_of_cumulative(cu, seq, name)
+        if starts is not None and not torch.equal(from_cu, starts.to(cu.device)):
+            _reject(f"{name} {cu.tolist()} does not agree with position_ids (sample starts where positions restart "
+                    "at 0); pass matching ones or drop one of them")
+        starts = from_cu
+    _check_cu_seq_lens_k(call, seq)
+    positions = call.get("position_ids")
+    if positions is not None and positions.ndim == 3 and bool((positions[..., starts[0]] != 0).any()):
+        _reject("the mRoPE position_ids of a packed row must start at 0 at every sample start (each sample's positions "
+                "computed alone, as the official fine-tuning script and get_rope_index do)")
+    return starts
+
+
+def _starts_of_cumulative(cu: torch.Tensor, seq: int, name: str) -> torch.Tensor:
+    if not (cu.ndim == 1 and cu.numel() >= 2 and int(cu[0]) == 0 and int(cu[-1]) == seq and bool((cu.diff() > 0).all())):
+        _reject(f"{name} {cu.tolist()} must be the cumulative sample lengths [0, l1, l1 + l2, ..., {seq}] of the row "
+                f"({seq} tokens)")
+    starts = torch.zeros(1, seq, dtype=torch.bool, device=cu.device)
+    starts[0, cu[:-1].long()] = True
+    return starts
+
+
+def _check_cu_seq_lens_k(call: dict, seq: int) -> None:
+    cu_q, cu_k = call.get("cu_seq_lens_q"), call.get("cu_seq_lens_k")
+    if cu_k is not None and (cu_q is None or not torch.equal(cu_k.to(cu_q.device), cu_q)):
+        _reject("cu_seq_lens_k must equal cu_seq_lens_q (self-attention of a packed row)")
+    if cu_q is None:
+        return
+    longest = int(cu_q.diff().max())
+    for key in ("max_length_q", "max_length_k"):
+        given = call.get(key)
+        if given is not None and int(given) != longest:
+            _reject(f"{key}={int(given)} but the longest packed sample has {longest} tokens")
+
+
+def _plan_packed_row(model, call: dict, shape: tuple[int, int]) -> BatchPlan:
+    starts = _packed_row_starts(call, shape[1])
+    segments = _segments(None, starts)
+    positions = call.get("position_ids")
+    if positions is None or positions.ndim == 2:
+        positions = per_sample_mrope(getattr(model, "model", None), call, segments, positions)
+    return BatchPlan(real=None, segments=segments, positions=positions, packed=True)
+
+
+def _plan_ordinary_batch(model, call: dict, shape: tuple[int, int]) -> BatchPlan:
+    mask = call.get("attention_mask")
+    deltanet = has_deltanet(model.config.get_text_config())
+    if any(call.get(k) is not None for k in CU_SEQ_LENS):
+        _reject("cu_seq_lens / max_length describe one packed row: pass them with a batch of one row only")
+    device = batch_reference(call).device
+    real = None if mask is None else _check_mask_values(mask, shape, deltanet)
+    if real is not None:
+        _check_padding(call, real, deltanet)
+    starts = torch.zeros(shape, dtype=torch.bool, device=device)
+    first = torch.ones(shape, dtype=torch.bool, device=device) if real is None else real
+    starts[torch.arange(shape[0], device=device), first.int().argmax(-1)] = True  # each row's first real token
+    text = text_positions(call)
+    restarts = None if real is not None or text is None else _stock_restarts(model, call, text, shape[0])
+    if restarts is not None:
+        if deltanet:
+            _reject("position_ids restart inside a row of this batch: stock splits attention there but runs the DeltaNet "
+                    "layers across the restarts; pass the samples as one packed row (every layer then restarts at each "
+                    "sample), or as padded rows with an attention_mask")
+        starts |= restarts.to(device)
+    positions = call.get("position_ids")
+    positions = stock_positions(model, call) if positions is None else positions.expand(*positions.shape[:-2], *shape)
+    return BatchPlan(real=real, segments=_segments(real, starts), positions=positions, packed=False)
+
+
+def plan_batch(model, call: dict, packed: bool) -> tuple[BatchPlan | None, Problem | None]:
+    """The batch of one forward of `model` against every rule (module docstring), and its plan; `packed` tells
+    whether it is a packed row in the convention (`is_packed_row`). Returns (plan, None), or (None, Problem)."""
+    try:
+        shape = _check_tokens(model, call)
+        _check_labels(model, call, shape)
+        _check_vision(model, call)
+        _check_position_shape(call, shape)
+        plan = (_plan_packed_row if packed else _plan_ordinary_batch)(model, call, shape)
+    except _Rejected as rejected:
+        return None, rejected.problem
+    except (ValueError, IndexError, RuntimeError) as exc:  # stock's own refusal while computing positions
+        return None, Problem(type(exc), str(exc))
+    return plan, None

@@ -49,9 +49,10 @@ def text_model_forward(cut_family_inputs: Callable[[dict, CPContext], None] | No
     """The wrapper of a family's text decoder forward. `cut_family_inputs(call, ctx)` cuts any per-token
     input of that family beyond the embeddings and positions (Qwen3-VL's deepstack rows).
 
-    Under CP (and for packed rows at P=1) the decoder runs on this rank's slice and records its output in
-    the context (`ctx.last_hidden_state`) for the loss; called outside a CP forward while CP is on, it
-    raises: the whole sequence would silently run on every rank.
+    Under CP (and for packed rows at P=1) the decoder runs on this rank's slice: its output is that slice
+    (1, local, hidden), returned to the backbone and from there to the caller (`top_level.run_backbone`).
+    Called outside a CP forward while CP is on, it raises: the whole sequence would silently run on every
+    rank.
     """
 
     def forward(wrapped, instance, args, kwargs):
@@ -67,8 +68,6 @@ def text_model_forward(cut_family_inputs: Callable[[dict, CPContext], None] | No
         if cut_family_inputs is not None:
             cut_family_inputs(call, ctx)
         call[CTX_KWARG] = ctx
-        out = wrapped(**call)
-        ctx.last_hidden_state = out[0]
-        return out
+        return wrapped(**call)
 
     return forward

@@ -2,21 +2,27 @@
 
 Under CP — and at P=1 for a batch in the packed-row convention — one forward:
 
-1. checks the model and the batch and agrees with the other ranks of the group (one small collective);
-   anything that cannot run exactly raises on every rank before compute;
+1. checks the model and the batch against every rule and agrees with the other ranks of the group (one
+   small collective); anything that cannot run exactly raises on every rank before compute;
 2. lays the batch out as one packed row of its real tokens (`rows.py`) and creates the `CPContext`;
-3. runs the stock forward with that context current: the vision tower (each rank its share of the
-   images), image placement and deepstack features on the whole row, then the text decoder on this
-   rank's slice (`decoder.py`). The stock LM head is asked for no position (`logits_to_keep`);
-4. computes the loss from the decoder's slice in chunks, without full-vocabulary logits (`loss.py`), and
-   the logits when they are wanted, gathered and in the caller's batch layout.
+3. runs the stock backbone (`model.model`) with that context current: the vision tower (each rank its
+   share of the images), image placement and deepstack features on the whole row, then the text decoder
+   on this rank's slice (`decoder.py`), whose output comes back as the backbone's `last_hidden_state`;
+4. computes the loss from that slice in chunks, without full-vocabulary logits (`loss.py`), and the logits
+   when they are wanted, gathered and in the caller's batch layout, in the output class stock returns.
 
 Every other call goes to the stock forward untouched.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import typing
+
 import torch
+from transformers.utils import ModelOutput
 
 from ..context import CPContext
 from ..distributed import SINGLE_RANK, active_cp_group
@@ -25,9 +31,12 @@ from ..loss import sharded_causal_lm_loss
 from ..settings import SETTINGS
 from ..stats import STATS
 from .agreement import agree_on_batch
-from .arguments import batch_reference, call_arguments
-from .checks import batch_problem, setup_problem
-from .rows import is_packed_row, packed_row_of_batch
+from .arguments import call_arguments
+from .checks import is_packed_row, plan_batch, setup_problem
+from .rows import lay_out
+
+# What the top-level forward consumes itself rather than passing to the backbone.
+TOP_LEVEL_ONLY = ("shift_labels", "num_items_in_batch", "return_dict", "logits_to_keep")
 
 
 def full_logits_requested() -> bool:
@@ -36,25 +45,50 @@ def full_logits_requested() -> bool:
     return SETTINGS.gather_logits_with_labels or FULL_LOGITS.get()
 
 
+@torch.compiler.disable  # data-dependent checks, a collective and (once) process-group creation: eager
 def enter_cp_forward(model, call: dict) -> CPContext | None:
     """Checks, agreement and the packed-row layout of one forward of `model`; its arguments in `call` are
     rewritten in place as the packed row. Returns the forward's `CPContext`, or None when the call runs
     stock (CP off and not a packed row).
 
-    The caller runs the stock forward inside `ctx.running()`: the top-level forward here, TRL's fused LM
-    head (which calls the backbone itself) in integrations/trl.py.
+    The caller runs the stock backbone inside `ctx.running()`: the top-level forward here, TRL's fused LM
+    head (which calls the backbone itself) in integrations/trl.py, `vlmcp_patch.token_log_probs`.
     """
     cp = active_cp_group()
+    packed = is_packed_row(call)
     if cp is None:
-        if not is_packed_row(call):
+        if not packed:
             return None  # P=1, not packed: exactly stock
         cp = SINGLE_RANK  # P=1 packed row: the same path, no exchanges
-    problem = setup_problem(model, cp, call) or batch_problem(model, call)
+    plan, problem = None, setup_problem(model, cp, call)
+    if problem is None:
+        plan, problem = plan_batch(model, call, packed)
     agree_on_batch(cp, problem, call, model)
-    segments, rows = packed_row_of_batch(getattr(model, "model", None), call)
+    segments, rows = lay_out(call, plan)
     ctx = CPContext(cp=cp, segments=segments, rows=rows)
     STATS.record(ctx)
     return ctx
+
+
+def run_backbone(model, call: dict, ctx: CPContext):
+    """The stock backbone (`model.model`) on the packed row of `call` under `ctx`: its output, whose
+    `last_hidden_state` is this rank's slice (1, local, hidden) of the decoder output."""
+    with ctx.running():
+        return model.model(**call, return_dict=True)
+
+
+@functools.cache
+def output_class(forward) -> type:
+    """The output class a stock top-level forward returns (from its return annotation: `tuple | Output`)."""
+    hint = typing.get_type_hints(inspect.unwrap(forward)).get("return")
+    classes = [c for c in typing.get_args(hint) or (hint,) if isinstance(c, type) and issubclass(c, ModelOutput)]
+    return classes[0]
+
+
+def _build_output(cls: type, backbone_out, **fields):
+    """`cls` with `fields`, and every other field it shares with the backbone's output carried over."""
+    carried = {f.name: getattr(backbone_out, f.name, None) for f in dataclasses.fields(cls) if f.name not in fields}
+    return cls(**fields, **{k: v for k, v in carried.items() if v is not None})
 
 
 def cp_top_level_forward(wrapped, instance, args, kwargs):
@@ -65,20 +99,18 @@ def cp_top_level_forward(wrapped, instance, args, kwargs):
     ctx = enter_cp_forward(instance, call)
     if ctx is None:
         return wrapped(*args, **kwargs)
-    shift_labels = call.pop("shift_labels", None)
-    num_items_in_batch = call.pop("num_items_in_batch", None)
-    return_dict = call.pop("return_dict", None)
-    call["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=batch_reference(call).device)
-    with ctx.running():
-        out = wrapped(**call, return_dict=True)
-
-    fields = {k: v for k, v in out.items() if k != "logits"}
-    hidden = ctx.last_hidden_state
+    shift_labels, num_items_in_batch, return_dict, _ = (call.pop(key, None) for key in TOP_LEVEL_ONLY)
+    if return_dict is None:
+        return_dict = getattr(instance.config, "return_dict", True)
+    backbone_out = run_backbone(instance, call, ctx)
+    hidden = backbone_out.last_hidden_state
+    fields = {}
     if shift_labels is not None:
         fields["loss"] = sharded_causal_lm_loss(
             hidden, instance.lm_head, ctx, shift_labels, num_items_in_batch, SETTINGS.loss_chunk_tokens
         )
-    if shift_labels is None or full_logits_requested():
+    if shift_labels is None or full_logits_requested() or not return_dict:  # a tuple keeps stock's positions
         fields["logits"] = ctx.to_caller(ctx.gather(instance.lm_head(hidden), dim=1))
-    out = type(out)(**fields)
-    return out.to_tuple() if return_dict is False else out
+    out = _build_output(output_class(wrapped), backbone_out, **fields)
+    return out if return_dict else out.to_tuple()
+

@@ -1,0 +1,80 @@
+"""Position ids of a batch that comes without them, computed as stock computes them — or, for a packed row,
+as stock computes them for each of its samples alone."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..layout import Segment, positions_restarting_at
+from .arguments import batch_reference, has_vision
+
+
+def stock_positions(model, call: dict) -> torch.Tensor:
+    """Position ids (..., batch, seq) of an ordinary batch, as stock computes them: 3D mRoPE from the multimodal
+    model's own `compute_3d_position_ids` on the caller's batch (its errors and its `rope_deltas` state included),
+    else 0, 1, ... along each row (what the text decoder does without positions)."""
+    reference = batch_reference(call)
+    batch, seq = reference.shape[:2]
+    multimodal = getattr(model, "model", None)
+    if hasattr(multimodal, "compute_3d_position_ids"):
+        positions = multimodal.compute_3d_position_ids(
+            input_ids=call.get("input_ids"),
+            inputs_embeds=call.get("inputs_embeds"),
+            image_grid_thw=call.get("image_grid_thw"),
+            video_grid_thw=call.get("video_grid_thw"),
+            attention_mask=call.get("attention_mask"),
+            mm_token_type_ids=call.get("mm_token_type_ids"),
+        )
+        if positions is not None:
+            return positions
+    return torch.arange(seq, device=reference.device).expand(batch, seq)
+
+
+def _frames(video_grid_thw: torch.Tensor) -> torch.Tensor:
+    """One grid entry per temporal patch group, as get_rope_index walks videos (timestamps separate them)."""
+    frames = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+    frames[:, 0] = 1
+    return frames
+
+
+def _mrope_of_samples(multimodal, call: dict, segments: list[Segment]) -> torch.Tensor:
+    """(3, 1, S): each sample's 3D mRoPE computed alone by the model's own `get_rope_index`."""
+    input_ids, types = call["input_ids"], call["mm_token_type_ids"]
+    images = iter(call["image_grid_thw"]) if call.get("image_grid_thw") is not None else iter(())
+    frames = iter(_frames(call["video_grid_thw"])) if call.get("video_grid_thw") is not None else iter(())
+    pieces = []
+    for a, b in segments:
+        runs = [kind for kind, _ in itertools.groupby(types[0, a:b].tolist())]
+        sample_images = [next(images) for kind in runs if kind == 1]
+        sample_frames = [next(frames) for kind in runs if kind == 2]
+        positions, _ = multimodal.get_rope_index(
+            input_ids[:, a:b],
+            mm_token_type_ids=types[:, a:b],
+            image_grid_thw=torch.stack(sample_images) if sample_images else None,
+            video_grid_thw=torch.stack(sample_frames) if sample_frames else None,
+        )
+        pieces.append(positions)
+    return torch.cat(pieces, dim=-1)
+
+
+def per_sample_mrope(multimodal, call: dict, segments: list[Segment], text: torch.Tensor | None) -> torch.Tensor:
+    """Position ids of a packed row: its text positions `text` (1, S) (restarting at every sample when not
+    given), then — with images or videos — each sample's 3D mRoPE computed alone: (4, 1, S). `multimodal` is
+    the module with `get_rope_index` (None for a text-only model).
+
+    Stock needs `mm_token_type_ids` with `input_ids` for 3D mRoPE and raises its own error without them; with
+    embeddings only it has no ids to compute from, and each sample keeps its text positions.
+    """
+    device = batch_reference(call).device
+    text = positions_restarting_at(segments).to(device)[None] if text is None else text
+    if not has_vision(call) or multimodal is None or call.get("input_ids") is None:
+        return text
+    if call.get("mm_token_type_ids") is None:
+        multimodal.compute_3d_position_ids(  # raises stock's error: token types are needed for 3D mRoPE
+            input_ids=call["input_ids"], inputs_embeds=None, image_grid_thw=call.get("image_grid_thw"),
+            video_grid_thw=call.get("video_grid_thw"), mm_token_type_ids=None,
+        )
+    mrope = _mrope_of_samples(multimodal, call, segments)
+    return torch.cat([text.to(mrope)[None], mrope], dim=0)
