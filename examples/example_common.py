@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from vlmcp_patch.fixtures.data import PaddingCollator, make_image, synthetic_dataset
 from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
@@ -111,7 +112,7 @@ def full_state_dict(model, accelerator=None) -> dict:
     """The trained weights on CPU, gathered where they are sharded (every rank calls this): ZeRO-3
     partitions through DeepSpeed, FSDP2 DTensors through the accelerator."""
     params = list(model.parameters())
-    if accelerator is not None and any(type(p).__name__ == "DTensor" for p in params):
+    if accelerator is not None and any(isinstance(p, DTensor) for p in params):
         state = accelerator.get_state_dict(model)
         return {k: v.detach().cpu().clone() for k, v in (state or {}).items()}
     gathered = contextlib.nullcontext()

@@ -10,14 +10,14 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 import vlmcp_patch  # noqa: F401
-from tests.error_cases import qwen3_text_model
+from tests.error_cases import SCENARIOS
 
 
 def main() -> None:
     args = TrainingArguments(output_dir="out/unsupported", max_steps=1, per_device_train_batch_size=1, report_to=[],
                              use_cpu=True, logging_steps=1)
     data = [{"input_ids": torch.randint(1, 100, (12,)), "labels": torch.randint(1, 100, (12,))} for _ in range(4)]
-    trainer = Trainer(model=qwen3_text_model(), args=args, train_dataset=data)
+    trainer = Trainer(model=SCENARIOS["unsupported_model"](0)[0], args=args, train_dataset=data)
     trainer.train()
     print([e for e in trainer.state.log_history if "loss" in e])
 

@@ -46,10 +46,25 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size: 
     return _AllToAll.apply(x, scatter_dim, gather_dim, group, size)
 
 
-def _all_gather_cat(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+def _all_gather_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """Every rank's `x` (the same shape everywhere) concatenated along `dim` in rank order: one
+    all_gather_into_tensor."""
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((size * front.shape[0], *front.shape[1:]))
+    dist.all_gather_into_tensor(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+# torch 2.13 renames reduce_scatter_tensor (deprecated there) to reduce_scatter_single.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _reduce_scatter_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """This rank's block along `dim` of the sum of every rank's `x` (blocks of equal length): one reduce-scatter."""
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    _reduce_scatter(out, front, group=group)
+    return out.movedim(0, dim)
 
 
 class _GatherKeepLocalGrad(torch.autograd.Function):
@@ -63,7 +78,7 @@ class _GatherKeepLocalGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, size, rank):
         ctx.dim, ctx.size, ctx.rank = dim, size, rank
-        return _all_gather_cat(x, dim, group, size)
+        return _all_gather_along(x, dim, group, size)
 
     @staticmethod
     def backward(ctx, grad):
@@ -115,12 +130,16 @@ class _GatherSumGrad(torch.autograd.Function):
         ctx.dim, ctx.counts, ctx.group, ctx.rank = dim, counts, group, rank
         missing = max(counts) - x.shape[dim]
         padded = torch.cat([x, x.new_zeros(*x.shape[:dim], missing, *x.shape[dim + 1 :])], dim) if missing else x
-        parts = [torch.empty_like(padded) for _ in counts]
-        dist.all_gather(parts, padded.contiguous(), group=group)
+        gathered = _all_gather_along(padded, dim, group, len(counts))
+        if len(set(counts)) == 1:
+            return gathered
+        parts = gathered.split(max(counts), dim)
         return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, counts)], dim)
 
     @staticmethod
     def backward(ctx, grad):
+        if len(set(ctx.counts)) == 1:  # equal blocks: a reduce-scatter moves 1/P of an all-reduce
+            return _reduce_scatter_along(grad, ctx.dim, ctx.group, len(ctx.counts)), None, None, None, None
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         start = sum(ctx.counts[: ctx.rank])
@@ -136,6 +155,4 @@ def gather_sum_grad(x: torch.Tensor, dim: int, counts: list[int], group, rank: i
 
 def all_gather_small(values: torch.Tensor, group, size: int) -> torch.Tensor:
     """Gather a small 1-D tensor from every rank of the group (no autograd): shape (size, n)."""
-    parts = [torch.empty_like(values) for _ in range(size)]
-    dist.all_gather(parts, values, group=group)
-    return torch.stack(parts)
+    return _all_gather_along(values, 0, group, size).view(size, -1)

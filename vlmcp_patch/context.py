@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .collectives import gather_keep_local_grad
-from .distributed import CPGroup
+from .distributed import CPGroup, gather_sequence
 from .flags import scoped
 from .layout import Segment, cu_seqlens_of, round_up, shard_slice
 
@@ -118,9 +117,8 @@ class CPContext:
         return self.pad(x, dim, value).narrow(dim, self.local_slice.start, self.local_len)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """The full-length tensor from every rank's slice, padding removed (see `gather_keep_local_grad`)."""
-        full = gather_keep_local_grad(x, dim, self.cp.group, self.cp.size, self.cp.rank)
-        return full.narrow(dim, 0, self.seq_len)
+        """The full-length tensor from every rank's slice, padding removed (`distributed.gather_sequence`)."""
+        return gather_sequence(x, dim, self.seq_len, self.cp)
 
     def to_caller(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """A full-row tensor (1, tokens, ...) in the caller's batch layout (batch, width, ...)."""

@@ -159,15 +159,32 @@ def data_parallel_rank() -> int:
     return dist.get_rank() // size
 
 
-def gather_sequence(tensor: torch.Tensor, dim: int = 1, length: int | None = None) -> torch.Tensor:
-    """Gather a sequence-sharded tensor (e.g. a hidden state of this rank's slice) over the CP group.
+def is_partitioned(param) -> bool:
+    """A parameter its data-parallel wrapper shards across ranks: a DeepSpeed ZeRO-3 partition (`ds_id`) or an
+    FSDP2 `DTensor` (each rank holds a different piece; the wrapper keeps them consistent)."""
+    from torch.distributed.tensor import DTensor
+
+    return hasattr(param, "ds_id") or isinstance(param, DTensor)
+
+
+def gathered_when_run(module: torch.nn.Module) -> bool:
+    """Whether a module's weights are gathered when it runs (ZeRO-3, FSDP2), in evaluation too. Inside an FSDP2
+    forward its parameters may be unsharded at the moment: the wrapped submodules tell."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(is_partitioned(p) for p in module.parameters()) or any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def gather_sequence(tensor: torch.Tensor, dim: int = 1, length: int | None = None, cp: CPGroup | None = None):
+    """Gather a sequence-sharded tensor (e.g. a hidden state of this rank's slice) over the CP group `cp`
+    (default: this rank's group in effect).
 
     Each rank holds a contiguous slice of the sequence padded to a multiple of the CP size; the result
     is the concatenation in rank order, cut to `length` when given. Backward keeps each rank's own slice
     of the gradient: call it on every rank and compute the same thing from the result, as with the loss.
     With CP off it returns `tensor`.
     """
-    cp = get_cp_group()
+    cp = cp or get_cp_group()
     if cp is None:
         return tensor
     full = gather_keep_local_grad(tensor, dim, cp.group, cp.size, cp.rank)

@@ -11,15 +11,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-# Inside `vlmcp_patch.disabled()` (and generate()): forwards run as if CP were off.
+# Each flag has one setter (a `with scoped(...)` block) and names its readers.
+
+# Forwards run as if CP were off. Set by: `distributed.disabled()` (the user's block, and generate()). Read by:
+# `distributed.cp_requested`, `forward.top_level.cp_top_level_forward`, `integrations.trl`'s fused head.
 BYPASS = contextvars.ContextVar("vlmcp_bypass", default=False)
-# The Trainer's prediction step keeps whole-row logits: forwards with labels return them too.
+# Forwards with labels return whole-row logits too. Set by: `integrations.trainer.cp_prediction_step` (the
+# Trainer's evaluation keeps them). Read by: `forward.top_level.full_logits_requested`.
 FULL_LOGITS = contextvars.ContextVar("vlmcp_full_logits", default=False)
-# Inside accelerate's gather_for_metrics / the Trainer's token count: keep one copy per CP group.
+# Gathers keep one copy per CP group. Set by: `integrations.accelerate.one_copy_per_cp_group_gathers` (around
+# accelerate's gather_for_metrics and the Trainer's token count). Read by: `integrations.accelerate.cp_gather`.
 ONE_COPY_PER_CP_GROUP = contextvars.ContextVar("vlmcp_one_copy_per_cp_group", default=False)
-# Accelerate is preparing a DeepSpeed engine: its "auto" batch sizes were derived for all W ranks.
+# Accelerate is preparing a DeepSpeed engine whose "auto" batch sizes it derived for all W ranks. Set by:
+# `integrations.parallelism_config` (around accelerate's DeepSpeed preparation). Read by:
+# `integrations.deepspeed.cp_deepspeed_initialize`.
 BATCH_SIZED_BY_ACCELERATE = contextvars.ContextVar("vlmcp_batch_sized_by_accelerate", default=False)
-# Modalities ("image", "video") of the running forward that carry a placeholder, not real inputs.
+# Modalities ("image", "video") of the running forward that carry a placeholder, not real inputs. Set by:
+# `integrations.vision_placeholder.matched_vision_forward`. Read by: the same module's mask and position patches.
 VISION_PLACEHOLDERS = contextvars.ContextVar("vlmcp_vision_placeholders", default=frozenset())
 
 

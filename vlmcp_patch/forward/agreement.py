@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..collectives import all_gather_small
-from ..distributed import CPGroup
+from ..distributed import CPGroup, is_partitioned
 from ..errors import CPInputError, UnsupportedSetupError
 from .arguments import batch_device
 from .checks import Problem
@@ -112,11 +112,6 @@ def batch_fingerprint(call: dict) -> list[float]:
 # Weights
 
 
-def _partitioned(param) -> bool:
-    """Sharded by ZeRO-3 or FSDP: each rank holds a different piece, and the wrapper keeps them consistent."""
-    return hasattr(param, "ds_id") or type(param).__name__ == "DTensor"
-
-
 def _mark_weights_unchecked(model, *args) -> None:
     model._vlmcp_weights_checked = False
 
@@ -130,7 +125,7 @@ def weights_fingerprint(model, force: bool = False) -> list[float] | None:
         model._vlmcp_weights_hook = model.register_load_state_dict_post_hook(_mark_weights_unchecked)
     model._vlmcp_weights_checked = True
     params = list(model.parameters())
-    if not params or any(_partitioned(p) for p in params):
+    if not params or any(is_partitioned(p) for p in params):
         return None
     return _checksum(params)
 

@@ -59,8 +59,13 @@ def one_copy_per_cp_group(tensor):
     return chunks[:: cp_size()].reshape(-1, *tensor.shape[1:])
 
 
+def one_copy_per_cp_group_gathers():
+    """Inside the block, accelerate's gathers keep one copy per CP group (under CP; a no-op otherwise)."""
+    return scoped(ONE_COPY_PER_CP_GROUP, cp_running())
+
+
 def cp_gather_for_metrics(wrapped, instance, args, kwargs):
-    with scoped(ONE_COPY_PER_CP_GROUP, cp_running()):
+    with one_copy_per_cp_group_gathers():
         return wrapped(*args, **kwargs)
 
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import inspect
 
 from ..distributed import cp_running
-from ..flags import FULL_LOGITS, ONE_COPY_PER_CP_GROUP, scoped
+from ..flags import FULL_LOGITS, scoped
 from ..patching import Patch
 from ..settings import cp_size
+from .accelerate import one_copy_per_cp_group_gathers
 from .parallelism_config import take_over_trainer_config
 from .setup import check_cp_setup, require_integration
 
@@ -49,7 +50,7 @@ def cp_total_train_batch_size(wrapped, instance, args, kwargs):
 
 def cp_track_num_input_tokens(wrapped, instance, args, kwargs):
     # Its count is an `accelerator.gather` over all W ranks: gather one copy per CP group instead.
-    with scoped(ONE_COPY_PER_CP_GROUP, cp_running()):
+    with one_copy_per_cp_group_gathers():
         return wrapped(*args, **kwargs)
 
 

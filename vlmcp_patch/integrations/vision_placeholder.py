@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..distributed import cp_requested, data_parallel_world_size, distributed_ready, world_group
+from ..distributed import cp_requested, data_parallel_world_size, distributed_ready, gathered_when_run, world_group
 from ..flags import VISION_PLACEHOLDERS, scoped
 from ..forward.arguments import batch_device, call_arguments
 from ..forward.vision import placeholder_vision_inputs
@@ -34,15 +34,6 @@ from ..supported import FAMILIES
 _INPUTS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 
 
-def _partitioned(module) -> bool:
-    """The module's weights are gathered when it runs (ZeRO-3, FSDP2), in evaluation too. Inside an FSDP2
-    forward the parameters may be unsharded at the moment: the wrapped submodules tell."""
-    from torch.distributed.fsdp import FSDPModule
-
-    param = next(module.parameters(), None)
-    return (param is not None and hasattr(param, "ds_id")) or any(isinstance(m, FSDPModule) for m in module.modules())
-
-
 def matching_required(model) -> bool:
     """Whether this forward of the multimodal `model` must keep its vision passes matched across replicas."""
     setting = SETTINGS.match_vision_passes
@@ -50,7 +41,7 @@ def matching_required(model) -> bool:
         return False
     if setting is None and not cp_requested():
         return False
-    return torch.is_grad_enabled() or _partitioned(model.visual)
+    return torch.is_grad_enabled() or gathered_when_run(model.visual)
 
 
 def missing_modalities(call: dict) -> frozenset:
