@@ -67,6 +67,19 @@ def load_model(name: str, attn: str):
     return AutoModelForImageTextToText.from_pretrained(name, attn_implementation=attn, dtype=dtype)
 
 
+def from_local_checkpoint(model, directory: str):
+    """`model` saved and loaded back from `directory` (one per rank), so that trainers that build a reference
+    model from the policy's name (TRL's GRPO, RLOO, DPO, KTO with a KL term) find its weights on disk."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    path = os.path.join(directory, f"policy-rank{os.environ.get('RANK', '0')}")
+    model.save_pretrained(path)
+    auto = AutoModelForImageTextToText if hasattr(model.config, "vision_config") else AutoModelForCausalLM
+    return auto.from_pretrained(path, attn_implementation=model.config._attn_implementation, dtype=model.dtype)
+
+
 def with_lora_and_frozen_vision(model):
     """PEFT LoRA on the text attention projections, the vision tower frozen (a common VLM recipe; needs peft)."""
     from peft import LoraConfig, get_peft_model

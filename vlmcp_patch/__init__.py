@@ -27,6 +27,7 @@ from .integrations import deepspeed as _deepspeed  # noqa: E402
 from .integrations import parallelism_config as _parallelism_config  # noqa: E402
 from .integrations import trainer as _trainer  # noqa: E402
 from .integrations import trl as _trl  # noqa: E402
+from .integrations import trl_rl as _trl_rl  # noqa: E402
 from .integrations import vision_placeholder as _vision_placeholder  # noqa: E402
 from .integrations.setup import check_cp_setup  # noqa: E402
 from .patching import PATCHES  # noqa: E402
@@ -45,6 +46,7 @@ PATCHES.add(
     *_parallelism_config.patches(),
     *_trainer.patches(),
     *_trl.patches(),
+    *_trl_rl.patches(),
 )
 
 

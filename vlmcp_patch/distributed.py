@@ -167,12 +167,17 @@ def is_partitioned(param) -> bool:
     return hasattr(param, "ds_id") or isinstance(param, DTensor)
 
 
-def gathered_when_run(module: torch.nn.Module) -> bool:
-    """Whether a module's weights are gathered when it runs (ZeRO-3, FSDP2), in evaluation too. Inside an FSDP2
-    forward its parameters may be unsharded at the moment: the wrapped submodules tell."""
+def sharded_by_fsdp2(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 gathers the module's weights when it runs (inside an FSDP2 forward its parameters may be
+    unsharded at the moment: the wrapped submodules tell)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return any(is_partitioned(p) for p in module.parameters()) or any(isinstance(m, FSDPModule) for m in module.modules())
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def gathered_when_run(module: torch.nn.Module) -> bool:
+    """Whether a module's weights are gathered when it runs (ZeRO-3, FSDP2), in evaluation too."""
+    return any(is_partitioned(p) for p in module.parameters()) or sharded_by_fsdp2(module)
 
 
 def gather_sequence(tensor: torch.Tensor, dim: int = 1, length: int | None = None, cp: CPGroup | None = None):

@@ -26,6 +26,15 @@ ONE_COPY_PER_CP_GROUP = contextvars.ContextVar("vlmcp_one_copy_per_cp_group", de
 # `integrations.parallelism_config` (around accelerate's DeepSpeed preparation). Read by:
 # `integrations.deepspeed.cp_deepspeed_initialize`.
 BATCH_SIZED_BY_ACCELERATE = contextvars.ContextVar("vlmcp_batch_sized_by_accelerate", default=False)
+# TRL's RL trainers see the data-parallel replicas, not the ranks. Set by: `integrations.trl_rl.replica_view`
+# (around their batch building and loss). Read by: `integrations.trl_rl`'s accelerator properties and gathers.
+REPLICA_VIEW = contextvars.ContextVar("vlmcp_replica_view", default=False)
+# A rollout whose prompts are split over the ranks of the CP group. Set by:
+# `integrations.trl_rl.generated_for_the_group` (with `split_rollouts`). Read by: `forward.generate`.
+SPLIT_ROLLOUT = contextvars.ContextVar("vlmcp_split_rollout", default=False)
+# Inside generate(): each rank decodes alone, its decoding steps not matched with other ranks'. Set by:
+# `forward.generate.cp_bypassed_generate`. Read by: `integrations.vision_placeholder.matching_required`.
+GENERATING = contextvars.ContextVar("vlmcp_generating", default=False)
 # Modalities ("image", "video") of the running forward that carry a placeholder, not real inputs. Set by:
 # `integrations.vision_placeholder.matched_vision_forward`. Read by: the same module's mask and position patches.
 VISION_PLACEHOLDERS = contextvars.ContextVar("vlmcp_vision_placeholders", default=frozenset())

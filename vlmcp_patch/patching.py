@@ -99,6 +99,7 @@ class Patch:
     expects: tuple[Expected, ...] = ()
     mirrors: Mapping[str, str] | None = None
     requires: str | None = None
+    since: str | None = None  # e.g. "transformers>=5.20": a target the older supported releases do not have
 
     @property
     def checked_on(self) -> str | None:
@@ -135,8 +136,37 @@ class _OurWrapper(wrapt.FunctionWrapper):
     """Marks wrappers installed by vlmcp-patch, so a second apply recognises them."""
 
 
+class _OurProperty(property):
+    """Marks properties installed by vlmcp-patch."""
+
+
 def _is_ours(obj) -> bool:
-    return isinstance(obj, _OurWrapper) or getattr(obj, "vlmcp_original", None) is not None
+    return isinstance(obj, (_OurWrapper, _OurProperty)) or getattr(obj, "vlmcp_original", None) is not None
+
+
+@dataclass(frozen=True)
+class PropertyPatch:
+    """Wrap the getter of the property at `target` (a class attribute) with `wrapper(getter, instance)`."""
+
+    target: str
+    wrapper: Callable
+    reason: str
+    requires: str | None = None
+
+    def check(self) -> None:
+        parent, name, _ = _resolve(self.target)
+        raw = inspect.getattr_static(parent, name)
+        if not isinstance(raw, property):
+            raise PatchTargetError(f"patch target {self.target} in {_version_of(self.target)} is no longer a property")
+
+    def apply(self) -> Callable[[], None]:
+        parent, name, _ = _resolve(self.target)
+        raw = inspect.getattr_static(parent, name)
+        if _is_ours(raw):
+            return lambda: None
+        wrapper = self.wrapper
+        setattr(parent, name, _OurProperty(lambda instance: wrapper(raw.fget, instance), raw.fset, raw.fdel, raw.__doc__))
+        return lambda: setattr(parent, name, raw)
 
 
 @dataclass(frozen=True)
@@ -179,6 +209,21 @@ def _package(patch) -> str | None:
     return getattr(patch, "requires", None)
 
 
+def applies_here(patch) -> bool:
+    """False for a patch declared `since` a release newer than the installed one (its target does not exist yet)."""
+    since = getattr(patch, "since", None)
+    if since is None:
+        return True
+    from packaging.requirements import Requirement
+
+    requirement = Requirement(since)
+    try:
+        installed = importlib.metadata.version(requirement.name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return requirement.specifier.contains(installed, prereleases=True)
+
+
 @dataclass
 class PatchSet:
     """All of the package's patches, applied or reverted together; the one record of what is installed.
@@ -212,6 +257,7 @@ class PatchSet:
                 self.patches.append(patch)
 
     def _install(self, patches: list) -> None:
+        patches = [p for p in patches if applies_here(p)]
         for patch in patches:  # check everything before changing anything
             patch.check()
         for patch in patches:
@@ -219,7 +265,7 @@ class PatchSet:
 
     def _install_optional(self, package: str) -> None:
         for patch in self.patches:
-            if _package(patch) != package or patch.target in self._undo:
+            if _package(patch) != package or patch.target in self._undo or not applies_here(patch):
                 continue
             try:
                 patch.check()

@@ -7,6 +7,7 @@
 | `VLMCP_VISION_DP` | `vision_dp` | on | under CP, each rank encodes only its share of the images |
 | `VLMCP_MATCH_VISION_PASSES` | `match_vision_passes` | CP only | placeholder vision passes, replicas without images |
 | `VLMCP_LOSS_CHUNK` | `loss_chunk_tokens` | auto | tokens per chunk of the chunked LM head + loss under CP |
+| `VLMCP_SPLIT_ROLLOUTS` | `split_rollouts` | off | TRL's RL rollouts: each rank of a CP group generates its share |
 | `VLMCP_DISABLE` | (`revert()`) | off | nothing is patched; every helper reports P=1 |
 """
 
@@ -51,6 +52,8 @@ class Settings:
     # None: placeholder vision passes under CP only; True: at P=1 too; False: never.
     match_vision_passes: bool | None = None
     loss_chunk_tokens: int = 0  # 0: sized automatically (one chunk's fp32 logits ~ the slice's hidden states)
+    # TRL's RL rollouts under CP: each rank generates its share of the group's prompts (faster, other draws).
+    split_rollouts: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
@@ -68,6 +71,7 @@ def _from_environment() -> Settings:
         vision_dp=env_flag("VLMCP_VISION_DP", True),
         match_vision_passes=env_flag("VLMCP_MATCH_VISION_PASSES", None),
         loss_chunk_tokens=env_int("VLMCP_LOSS_CHUNK", 0),
+        split_rollouts=env_flag("VLMCP_SPLIT_ROLLOUTS"),
     )
     settings.validate()
     return settings
@@ -83,6 +87,7 @@ def enable(
     vision_dp: bool | None = None,
     match_vision_passes: bool | None = None,
     loss_chunk_tokens: int | None = None,
+    split_rollouts: bool | None = None,
 ) -> Settings:
     """Change the settings for every following forward; arguments left out keep their value.
 
@@ -94,6 +99,7 @@ def enable(
         "vision_dp": vision_dp,
         "match_vision_passes": match_vision_passes,
         "loss_chunk_tokens": loss_chunk_tokens,
+        "split_rollouts": split_rollouts,
     }
     new = dataclasses.replace(SETTINGS, **{k: v for k, v in given.items() if v is not None})
     new.validate()

@@ -82,10 +82,29 @@ def _configured_state():
     return AcceleratorState() if AcceleratorState._shared_state else None
 
 
+def _take_over_rl_config_request(trainer, supported: bool) -> bool:
+    """A request a TRL RL config handed over (`integrations.trl_rl.rl_config_post_init` took it out of its
+    ParallelismConfig before TRL's own refusal): CP for a supported model, TRL's refusal otherwise."""
+    request = getattr(trainer.args, "vlmcp_requested_cp", None)
+    if request is None:
+        return False
+    if not supported:
+        raise UnsupportedSetupError(
+            f"{type(trainer).__name__} does not support sequence-dim parallelism (parallelism_config "
+            f"{request[0]}_size={request[1]}); vlmcp-patch runs it as context parallelism only for the models it "
+            "supports. Set cp_size=1 and sp_size=1."
+        )
+    _adopt(*request, trainer.model)
+    return True
+
+
 def take_over_trainer_config(trainer) -> None:
     """Before the HF Trainer creates its accelerator: route its ParallelismConfig to CP for a supported model."""
     args = trainer.args
-    request = requested_cp(args.parallelism_config) if find_supported_model(trainer.model) is not None else None
+    supported = find_supported_model(trainer.model) is not None
+    if _take_over_rl_config_request(trainer, supported):
+        return
+    request = requested_cp(args.parallelism_config) if supported else None
     if request is None:
         return
     _adopt(*request, trainer.model)

@@ -1,11 +1,13 @@
-"""TRL under CP: its fused LM head. (Its token counts go through `gather_for_metrics`, which keeps one
-copy per CP group: integrations/accelerate.py.)
+"""TRL under CP: its fused LM head, which every TRL trainer scores tokens with. (Its token counts go through
+`gather_for_metrics`, which keeps one copy per CP group: integrations/accelerate.py; the RL trainers' batch
+building: integrations/trl_rl.py.)
 
 TRL's trainers score tokens with a fused LM head (`trl.trainer.utils.add_fused_lm_head`): it replaces the
 forward of the model instance, and `model(..., labels=..., fused_lm_head=True)` runs the backbone
 (`model.model`) itself, past the patched top-level forward, then projects and scores the sequence in
-tiles without building the logits. `SFTTrainer.compute_loss` takes its loss, entropy and token accuracy
-from those per-token outputs; it never reads `outputs.logits`.
+tiles without building the logits. SFT, GRPO, RLOO, DPO and KTO take their losses, log-probabilities,
+entropies and metrics from those per-token outputs (the policy's and the reference model's); they never read
+`outputs.logits`. Each trainer module imports the function under its own name, so each import is patched.
 
 Under CP that forward is wrapped: the backbone runs as under the top-level forward (checks, vision,
 placement and mRoPE on the full sequence, the decoder on this rank's slice); TRL's head scores this
@@ -98,15 +100,19 @@ def cp_add_fused_lm_head(wrapped, instance, args, kwargs):
     return result
 
 
+TRAINERS = ("sft", "grpo", "rloo", "dpo", "kto")
+
+
 def patches() -> list[Patch]:
     return [
         Patch(
-            target="trl.trainer.sft_trainer.add_fused_lm_head",
+            target=f"trl.trainer.{trainer}_trainer.add_fused_lm_head",
             wrapper=cp_add_fused_lm_head,
             reason="under CP: TRL's fused LM head runs the backbone past the patched top-level forward and scores "
             "the full sequence; run the backbone under CP, score this rank's slice, gather the per-token outputs",
             expects=("model", "outputs"),
             mirrors=FUSED_LM_HEAD,
             requires="trl",
-        ),
+        )
+        for trainer in TRAINERS
     ]

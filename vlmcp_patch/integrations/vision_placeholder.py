@@ -22,8 +22,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..distributed import cp_requested, data_parallel_world_size, distributed_ready, gathered_when_run, world_group
-from ..flags import VISION_PLACEHOLDERS, scoped
+from ..distributed import (
+    cp_requested,
+    data_parallel_world_size,
+    distributed_ready,
+    gathered_when_run,
+    sharded_by_fsdp2,
+    world_group,
+)
+from ..flags import GENERATING, VISION_PLACEHOLDERS, scoped
 from ..forward.arguments import batch_device, call_arguments
 from ..forward.vision import placeholder_vision_inputs
 from ..patching import Patch
@@ -39,15 +46,20 @@ def matching_required(model) -> bool:
     setting = SETTINGS.match_vision_passes
     if setting is False or not distributed_ready() or data_parallel_world_size() == 1:
         return False
+    if GENERATING.get():
+        # generate() decodes each rank alone (CP bypassed); only FSDP2 still gathers the tower's weights per module
+        # there (ZeRO-3 weights are gathered for the whole generation by TRL, DDP's are local)
+        return setting is not False and (setting or SETTINGS.cp_size > 1) and sharded_by_fsdp2(model.visual)
     if setting is None and not cp_requested():
         return False
     return torch.is_grad_enabled() or gathered_when_run(model.visual)
 
 
 def missing_modalities(call: dict) -> frozenset:
-    """Modalities this rank must run as placeholders so its vision passes match the other replicas'."""
+    """Modalities this rank must run as placeholders so its vision passes match the other replicas': those another
+    rank encodes in this forward (pixels given, no encoder output cached by generate() for them) and this one not."""
     encoded = call.get("mm_encoder_outputs") or {}
-    here = [call.get(_INPUTS[m][0]) is not None or encoded.get(m) is not None for m in _INPUTS]
+    here = [call.get(_INPUTS[m][0]) is not None and encoded.get(m) is None for m in _INPUTS]
     anywhere = torch.tensor(here, dtype=torch.int32, device=batch_device(call))
     dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=world_group())
     return frozenset(m for m, mine, any_rank in zip(_INPUTS, here, anywhere.tolist()) if any_rank and not mine)
@@ -61,6 +73,8 @@ def matched_vision_forward(wrapped, instance, args, kwargs):
     if not missing:
         return wrapped(**call)
     device = batch_device(call)
+    if not any((call.get("mm_encoder_outputs") or {}).values()):
+        call.pop("mm_encoder_outputs", None)  # stock takes pixels or encoder outputs, not both
     for modality in missing:
         pixels_key, grid_key = _INPUTS[modality]
         call[pixels_key], call[grid_key] = placeholder_vision_inputs(
@@ -69,6 +83,24 @@ def matched_vision_forward(wrapped, instance, args, kwargs):
     STATS.vision_placeholders += len(missing)
     with scoped(VISION_PLACEHOLDERS, missing):
         return wrapped(**call)
+
+
+def matched_encoding_for_generation(wrapped, instance, args, kwargs):
+    """generate() (transformers 5.20+) encodes the prompts' images and videos once, through the multimodal model's
+    `get_*_features`, before decoding: a rank without some modality then encodes a placeholder, so that FSDP2's
+    weight gathers of the tower match the other ranks' (its result is dropped)."""
+    multimodal = getattr(instance, "model", None)
+    if not hasattr(multimodal, "visual") or not matching_required(multimodal):
+        return wrapped(*args, **kwargs)
+    model_kwargs = args[0] if args else kwargs["model_kwargs"]
+    missing = missing_modalities({**model_kwargs, "mm_encoder_outputs": None})
+    result = wrapped(*args, **kwargs)
+    device = next(multimodal.parameters()).device
+    for modality in sorted(missing):
+        pixels, grid = placeholder_vision_inputs(multimodal.config.vision_config, device, multimodal.visual.dtype)
+        getattr(multimodal, f"get_{modality}_features")(pixels, grid)
+    STATS.vision_placeholders += len(missing)
+    return result
 
 
 def placeholder_unchecked_mask(wrapped, instance, args, kwargs):
@@ -87,7 +119,16 @@ def placeholder_free_positions(wrapped, instance, args, kwargs):
 
 
 def patches() -> list[Patch]:
-    out = []
+    out = [
+        Patch(
+            target="transformers.generation.utils.GenerationMixin._prepare_multimodal_encoder_kwargs_for_generation",
+            wrapper=matched_encoding_for_generation,
+            reason="generate() encodes the prompts' images before decoding: replicas without them encode a placeholder "
+            "where FSDP2 gathers the tower's weights",
+            expects=("model_kwargs",),
+            since="transformers>=5.20",
+        )
+    ]
     for family in FAMILIES:
         if family.multimodal_model is None:
             continue
