@@ -217,34 +217,6 @@ class LiveBytes(TorchDispatchMode):
                 if t is not None and t.untyped_storage().data_ptr() in self.alive}
 
 
-class CollectiveBytes:
-    """Bytes each rank sends through all-to-all and all-gather (send buffers; (P-1)/P of them leave the rank),
-    of tensors of `dtype` (the model's: the small float64 agreement vector is left out)."""
-
-    def __init__(self, dtype=torch.float32):
-        self.dtype = dtype
-        self.bytes = collections.Counter()
-        self.originals = {}
-
-    def __enter__(self):
-        for name in ("all_to_all_single", "all_gather"):
-            original = getattr(dist, name)
-            self.originals[name] = original
-
-            def counting(*args, _name=name, _original=original, **kwargs):
-                sent = args[1]  # all_to_all_single(output, input), all_gather(outputs, input)
-                if sent.dtype == self.dtype:
-                    self.bytes[_name] += sent.numel() * sent.element_size()
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, counting)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self.originals.items():
-            setattr(dist, name, original)
-
-
 def timed(fn):
     start = time.perf_counter()
     result = fn()

@@ -9,7 +9,7 @@ buffers of all-to-all and all-gather, forward and backward:
 * softmax attention: q and the output (H x D each), k and v (H_kv' x D each, KV heads replicated to a
   multiple of P when fewer): 2 x (2H + 2H_kv') x D elements;
 * gated DeltaNet: q and k (H_k' x d_k), v and the output (H_v x d_v): 2 x (2H_k' d_k + 2H_v d_v) elements by
-  all-to-all, and the two gate inputs (2 H_v) by all-gather in forward (their backward is a reduce).
+  all-to-all, and the two gate inputs (2 H_v) by all-gather in forward (their backward is a reduce-scatter).
 
 The ratio measured / formula must be 1.00.
 """
@@ -20,8 +20,9 @@ import argparse
 
 import torch
 
-from benchmarks.common import CollectiveBytes, build_benchmark_model
+from benchmarks.common import build_benchmark_model
 from tests.harness import run_distributed
+from vlmcp_patch.fixtures.probes import CollectiveProbe
 from vlmcp_patch.layout import kv_replication_factor, round_up
 
 
@@ -48,11 +49,13 @@ def measure(rank: int, world_size: int, model_name: str, tokens: int) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 120, (1, tokens), generator=g)
     vlmcp_patch.enable(cp_size=world_size)
-    with CollectiveBytes() as counted:
+    with CollectiveProbe(dtype=next(model.parameters()).dtype) as probe:
         model(input_ids=ids, labels=ids).loss.backward()
     element = next(model.parameters()).element_size()
     padded = round_up(tokens, world_size)
-    return {name: n / element / padded for name, n in counted.bytes.items()}
+    gathered = probe.bytes["all_gather"] + probe.bytes["all_gather_into_tensor"]
+    return {"all_to_all_single": probe.bytes["all_to_all_single"] / element / padded,
+            "all_gather": gathered / element / padded}
 
 
 def main() -> None:

@@ -171,7 +171,8 @@ def main(argv=None) -> None:
         data = on_disk(data, os.path.join(args.output_dir, "data"))
     _, trainer_class = TRAINERS[args.trainer]
     trainer = trainer_class(model=policy(args), args=preference_config(args), train_dataset=data,
-                            processing_class=processor)
+                            processing_class=processor,
+                            callbacks=[vlmcp_patch.VLMCPCallback()])  # optional: setup checks, CP facts in the logs
     trainer.train()
     report(args, trainer)
 

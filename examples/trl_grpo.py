@@ -169,7 +169,8 @@ def main(argv=None) -> None:
     reward = VowelReward()
     _, trainer_class = TRAINERS[args.trainer]
     trainer = trainer_class(model=model, args=config, reward_funcs=[reward], train_dataset=prompts_of_this_replica(args),
-                            processing_class=processor or args.model)
+                            processing_class=processor or args.model,
+                            callbacks=[vlmcp_patch.VLMCPCallback()])  # optional: setup checks, CP facts in the logs
     trainer.train()
     report(args, trainer, reward)
 

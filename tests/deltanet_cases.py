@@ -21,7 +21,7 @@ def _layer(num_k: int, num_v: int):
 
 def run_layer_cases(rank: int, world_size: int) -> dict:
     import vlmcp_patch
-    from tests.parity import ExchangeCounter
+    from vlmcp_patch.fixtures.probes import CollectiveProbe
     from vlmcp_patch.context import CPContext
     from vlmcp_patch.fixtures.compare import rel_err, summed_over_group
     from vlmcp_patch.layout import segments_from_lengths
@@ -61,9 +61,9 @@ def run_layer_cases(rank: int, world_size: int) -> dict:
         ctx = CPContext(cp=cp, segments=segments)
         layer.zero_grad()
         x_cp = row.clone().requires_grad_(True)
-        with ExchangeCounter() as counter:
+        with CollectiveProbe() as counter:
             local = layer(ctx.shard(x_cp, dim=1), attention_mask=None, vlmcp_ctx=ctx)
-            forward_bytes = counter.buffer_bytes
+            forward_bytes = counter.bytes["all_to_all_single"]
             full = ctx.gather(local, dim=1)
             (full * weights).sum().backward()
         grads = summed_over_group({n: p.grad for n, p in layer.named_parameters()}, cp.group)
@@ -72,7 +72,7 @@ def run_layer_cases(rank: int, world_size: int) -> dict:
             "out_err": rel_err(full, ref_out),
             "input_grad_err": rel_err(x_grad, x_ref.grad),
             "param_grad_err": max(rel_err(grads[n], ref_grads[n]) for n in ref_grads),
-            "exchanges": counter.calls,
+            "exchanges": counter.calls["all_to_all_single"],
             # all-to-all send buffers of the group per token of the row, forward, fp32, and the formula they
             # must match: q and k (key heads after replication), v and the output.
             "a2a_bytes_per_token": forward_bytes * world_size / ctx.padded_len,

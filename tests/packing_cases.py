@@ -49,7 +49,7 @@ def _alone_reference(model, alone: list[dict]):
 def run_packing_cases(rank: int, world_size: int, families: list[str], cu_seq_lens: bool = False) -> dict:
     import vlmcp_patch
     from tests.cases import crosses_shard_edge, vision_slice_exchanges
-    from tests.parity import ExchangeCounter
+    from vlmcp_patch.fixtures.probes import CollectiveProbe
     from vlmcp_patch.fixtures.compare import gradient_errors, rel_err, summed_over_group
 
     results = {}
@@ -61,7 +61,7 @@ def run_packing_cases(rank: int, world_size: int, families: list[str], cu_seq_le
         vlmcp_patch.enable(cp_size=world_size)
         try:
             model.zero_grad(set_to_none=True)
-            with ExchangeCounter() as counter:
+            with CollectiveProbe() as counter:
                 out = model(**row)
                 out.loss.backward()
             with torch.no_grad():
@@ -82,7 +82,7 @@ def run_packing_cases(rank: int, world_size: int, families: list[str], cu_seq_le
             "worst_grad": worst,
             "decay_path_grad_err": max(decay.values(), default=0.0),
             "missing_grads": sorted(set(ref_grads) - set(grads)),
-            "exchanges": counter.calls,
+            "exchanges": counter.calls["all_to_all_single"],
             "vision_exchanges": vision_slice_exchanges(row, world_size) if world_size > 1 else 0,
             "edges_inside_samples": all(any(a < e < b for a, b in zip(starts[:-1], starts[1:])) for e in edges),
             "edge_inside_image": crosses_shard_edge(row["input_ids"], world_size),

@@ -11,29 +11,9 @@ import torch
 import torch.distributed as dist
 
 from vlmcp_patch.fixtures.compare import gradient_errors, rel_err, summed_over_group
+from vlmcp_patch.fixtures.probes import CollectiveProbe
 
 TOL = 1e-5
-
-
-class ExchangeCounter:
-    """Counts all-to-all calls (proof that the sequence/head exchange really ran) and their buffer bytes."""
-
-    def __init__(self):
-        self.calls = 0
-        self.buffer_bytes = 0  # each rank's send buffers; (P-1)/P of them leave the rank
-        self._orig = dist.all_to_all_single
-
-    def __enter__(self):
-        def counting(output, input, *args, **kwargs):
-            self.calls += 1
-            self.buffer_bytes += input.numel() * input.element_size()
-            return self._orig(output, input, *args, **kwargs)
-
-        dist.all_to_all_single = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_to_all_single = self._orig
 
 
 def _forward_backward(model, batch):
@@ -67,9 +47,9 @@ def compare(model, batch: dict, cp_size: int) -> dict:
     vlmcp_patch.enable(cp_size=cp_size)
     STATS.drain()
     try:
-        with ExchangeCounter() as counter:
+        with CollectiveProbe() as probe:
             out, grads = _forward_backward(model, batch)
-        exchanges = counter.calls
+        exchanges = probe.calls["all_to_all_single"]
         vision_encoded = STATS.vision_patches if STATS.vision_passes else None
         vision = STATS.drain()
         with torch.no_grad():

@@ -1,5 +1,6 @@
-"""The chunked LM head + cross-entropy equals the plain one (logits of the whole slice, fp32 upcast,
-cross_entropy): the loss and every gradient, in fp32 and through a head that is not a bare nn.Linear."""
+"""The chunked LM head equals the plain one (logits of the whole slice, fp32 upcast): the fused loss with its
+gradient computed in the forward pass, and the per-token log-probabilities / entropies — values and every
+gradient, over chunk sizes, with a bias, ignored labels, a temperature, in bf16, through a wrapped head."""
 
 from __future__ import annotations
 
@@ -8,37 +9,60 @@ import torch
 import torch.nn.functional as F
 
 from vlmcp_patch.fixtures.compare import rel_err
-from vlmcp_patch.loss import IGNORE_INDEX, chunk_tokens, head_loss_sum
+from vlmcp_patch.loss import IGNORE_INDEX, MIN_CHUNK, chunk_tokens, head_loss_sum, token_log_probs_and_entropy
 
 
 def _plain(hidden, head, labels):
     return F.cross_entropy(head(hidden).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _case(n=37, h=24, v=101, seed=0):
+def _case(n=37, h=24, v=101, seed=0, bias=False, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    head = torch.nn.Linear(h, v, bias=False)
+    head = torch.nn.Linear(h, v, bias=bias)
     with torch.no_grad():
         head.weight.copy_(torch.randn(v, h, generator=g) * 0.3)
-    hidden = torch.randn(n, h, generator=g, requires_grad=True)
+        if bias:
+            head.bias.copy_(torch.randn(v, generator=g))
+    hidden = torch.randn(n, h, generator=g)
     labels = torch.randint(0, v, (n,), generator=g)
     labels[::5] = IGNORE_INDEX
-    return hidden, head, labels
+    return hidden.to(dtype), head.to(dtype), labels
 
 
-def _loss_and_grads(fn, hidden, head, labels):
+def _loss_and_grads(fn, hidden, head, labels, scale=0.37):
     hidden = hidden.detach().clone().requires_grad_(True)
     head.zero_grad(set_to_none=True)
     loss = fn(hidden, head, labels)
-    (loss * 0.37).backward()
-    return loss.detach(), hidden.grad, head.weight.grad
+    (loss * scale).backward()
+    grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if head.bias is not None else [])
+    return [loss.detach(), *grads]
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 16, 37, 64])
-def test_chunked_loss_equals_the_plain_loss(chunk):
-    hidden, head, labels = _case()
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [1, 4, 7, 37, 64])
+def test_fused_loss_equals_the_plain_loss(chunk, bias):
+    hidden, head, labels = _case(bias=bias)
     ours = _loss_and_grads(lambda x, m, y: head_loss_sum(x, m, y, chunk), hidden, head, labels)
     plain = _loss_and_grads(_plain, hidden, head, labels)
+    for a, b in zip(ours, plain):
+        assert rel_err(a, b) <= 1e-6
+
+
+def test_fused_loss_in_bf16_matches_the_plain_bf16_loss():
+    hidden, head, labels = _case(dtype=torch.bfloat16)
+    ours = _loss_and_grads(lambda x, m, y: head_loss_sum(x, m, y, 8), hidden, head, labels)
+    plain = _loss_and_grads(_plain, hidden, head, labels)
+    assert all(t.dtype == torch.bfloat16 for t in ours[1:])
+    for a, b in zip(ours, plain):  # bf16 rounding of the gradients, the loss in fp32
+        assert rel_err(a, b) <= 2e-2
+
+
+def test_fused_loss_without_gradients_and_with_an_unscaled_backward():
+    hidden, head, labels = _case(seed=3)
+    with torch.no_grad():
+        assert rel_err(head_loss_sum(hidden, head, labels, 5), _plain(hidden, head, labels)) <= 1e-6
+    ours = _loss_and_grads(lambda x, m, y: head_loss_sum(x, m, y, 5), hidden, head, labels, scale=1.0)
+    plain = _loss_and_grads(_plain, hidden, head, labels, scale=1.0)
     for a, b in zip(ours, plain):
         assert rel_err(a, b) <= 1e-6
 
@@ -65,16 +89,47 @@ def test_a_wrapped_head_is_called_once_and_gives_the_same_loss():
         assert rel_err(a, b) <= 1e-6
 
 
-def test_no_chunk_of_fp32_logits_is_kept_for_backward():
-    """Only the hidden slice, the weight and the labels are saved: no logits of any size."""
+def test_nothing_of_vocabulary_size_but_the_weight_is_kept_for_backward():
+    """The fused loss keeps no logits and no hidden states for backward: only its gradients."""
     hidden, head, labels = _case(n=64, h=16, v=257)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        head_loss_sum(hidden, head, labels, chunk=8)
+        head_loss_sum(hidden.requires_grad_(True), head, labels, chunk=8)
+        token_log_probs_and_entropy(hidden, head, labels, chunk=8)
     assert all(257 not in shape or shape == tuple(head.weight.shape) for shape in saved), saved
 
 
-def test_chunk_size_follows_the_slice():
-    assert chunk_tokens(16384, 2048, 151936) == 219  # one chunk's fp32 logits ~ the slice's hidden states
-    assert chunk_tokens(8192, 2048, 151936) == 110
+def test_chunk_size_follows_the_slice_with_a_floor_and_a_ceiling():
+    # fp32 logits ~ 8x the slice's hidden states, cut in equal chunks
+    assert chunk_tokens(16384, 2048, 151936) == 1821
+    assert chunk_tokens(8192, 2048, 151936) == 911
+    assert chunk_tokens(1000, 2048, 151936) == 334 >= MIN_CHUNK  # at least MIN_CHUNK tokens (3 equal chunks) ...
+    assert chunk_tokens(100, 2048, 151936) == 100  # ... or the whole slice
+    largest = (1 << 30) // (4 * 151936)  # 1 GiB of fp32 logits
+    assert largest <= chunk_tokens(10**6, 2048, 151936) < 1.01 * largest
     assert chunk_tokens(10, 2048, 151936, configured=512) == 512
+
+
+def _plain_log_probs(hidden, head, targets, temperature):
+    logp = (head(hidden).float() / temperature).log_softmax(-1)
+    valid = targets != IGNORE_INDEX
+    picked = torch.where(valid, logp.gather(-1, targets.clamp(min=0)[:, None])[:, 0], 0.0)
+    return picked, torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1, 6, 37])
+def test_token_log_probs_and_entropy_equal_the_plain_ones(chunk, temperature):
+    hidden, head, targets = _case(bias=True, seed=4)
+
+    def run(fn):
+        x = hidden.detach().clone().requires_grad_(True)
+        head.zero_grad(set_to_none=True)
+        logp, ent = fn(x)
+        (logp * torch.linspace(-1, 1, len(logp))).sum().add(0.3 * ent.sum()).backward()
+        return [logp.detach(), ent.detach(), x.grad, head.weight.grad, head.bias.grad]
+
+    ours = run(lambda x: token_log_probs_and_entropy(x, head, targets, temperature, chunk))
+    plain = run(lambda x: _plain_log_probs(x, head, targets, temperature))
+    for a, b in zip(ours, plain):
+        assert rel_err(a, b) <= 1e-5

@@ -30,6 +30,7 @@ from .integrations import trl as _trl  # noqa: E402
 from .integrations import trl_rl as _trl_rl  # noqa: E402
 from .integrations import vision_placeholder as _vision_placeholder  # noqa: E402
 from .integrations.setup import check_cp_setup  # noqa: E402
+from .logprobs import token_log_probs  # noqa: E402
 from .patching import PATCHES  # noqa: E402
 from .settings import SETTINGS, cp_size, enable, env_flag  # noqa: E402
 from .supported import supported_class_names  # noqa: E402
@@ -100,4 +101,5 @@ __all__ = [
     "revert",
     "status",
     "supported_class_names",
+    "token_log_probs",
 ]

@@ -55,15 +55,12 @@ def _all_gather_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tens
     return out.movedim(0, dim)
 
 
-# torch 2.13 renames reduce_scatter_tensor (deprecated there) to reduce_scatter_single.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def _reduce_scatter_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     """This rank's block along `dim` of the sum of every rank's `x` (blocks of equal length): one reduce-scatter."""
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    _reduce_scatter(out, front, group=group)
+    # torch 2.13 renames reduce_scatter_tensor (deprecated there) to reduce_scatter_single
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, front, group=group)
     return out.movedim(0, dim)
 
 

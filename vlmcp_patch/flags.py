@@ -35,6 +35,9 @@ SPLIT_ROLLOUT = contextvars.ContextVar("vlmcp_split_rollout", default=False)
 # Inside generate(): each rank decodes alone, its decoding steps not matched with other ranks'. Set by:
 # `forward.generate.cp_bypassed_generate`. Read by: `integrations.vision_placeholder.matching_required`.
 GENERATING = contextvars.ContextVar("vlmcp_generating", default=False)
+# The forward returns per-token log-probabilities and entropies at this temperature (None: off). Set by:
+# `logprobs.token_log_probs`. Read by: `forward.top_level`.
+TOKEN_LOG_PROBS = contextvars.ContextVar("vlmcp_token_log_probs", default=None)
 # Modalities ("image", "video") of the running forward that carry a placeholder, not real inputs. Set by:
 # `integrations.vision_placeholder.matched_vision_forward`. Read by: the same module's mask and position patches.
 VISION_PLACEHOLDERS = contextvars.ContextVar("vlmcp_vision_placeholders", default=frozenset())

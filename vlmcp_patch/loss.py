@@ -1,11 +1,22 @@
-"""The causal-LM loss of a sequence sharded over the CP group, computed without full-vocabulary logits.
+"""The LM head's outputs of a sequence sharded over the CP group, computed in chunks of tokens without
+full-vocabulary logits: the causal-LM loss, and per-token log-probabilities and entropies (RL).
 
-The LM head and the cross-entropy run over this rank's slice in chunks of tokens: a chunk's logits
-are computed, upcast to fp32, reduced to the loss sum and dropped; backward recomputes each chunk's
-logits from the saved hidden states. At most one chunk of fp32 logits is alive at any time, instead
-of the whole slice (~0.6 MB per token with Qwen's 151,936-word vocabulary). The arithmetic per token
-is the stock one: logits in the head's dtype, upcast, log-softmax, and a gradient cast back to the
-head's dtype before the two matmuls of the linear backward.
+**The loss** (`_FusedLinearCrossEntropy`, Liger-Kernel's fused linear cross-entropy): the loss is a scalar,
+so its gradient is known up to one factor during the forward pass. Each chunk's logits are computed once
+(upcast to fp32, as stock does), reduced to the loss, turned in place into the gradient of the logits
+(softmax minus one-hot), cast back to the head's dtype and multiplied into the gradients of the hidden
+states and of the weight — three matmuls per chunk, no recompute; backward only scales them by the
+incoming gradient. At most one chunk of fp32 logits is alive at any time.
+
+**Chunk size** (`chunk_tokens`): a chunk's fp32 logits take `LOGITS_PER_HIDDEN` times the memory of the
+slice's hidden states — so the head's working memory shrinks with the slice (as 1/P), like everything else
+per rank — but a chunk holds at least `MIN_CHUNK` tokens (fewer make the head's matmul read the whole weight
+for a handful of rows: memory-bound, and the head's cost would not fall with P) and its fp32 logits at most
+`MAX_CHUNK_BYTES`. `VLMCP_LOSS_CHUNK` sets it by hand.
+
+**Log-probabilities and entropies** (`_ChunkedTokenLogProbs`): per token, log p(target) and the entropy of
+softmax(logits / temperature). Their gradient depends on how the caller uses them, so backward recomputes
+each chunk's logits (four matmuls per chunk).
 """
 
 from __future__ import annotations
@@ -19,6 +30,9 @@ from .collectives import sum_keep_local_grad
 from .context import CPContext
 
 IGNORE_INDEX = -100
+LOGITS_PER_HIDDEN = 8  # a chunk's fp32 logits ~ 8x the slice's hidden states
+MIN_CHUNK = 256  # tokens: the head's matmul compute-bound on CPUs and GPUs
+MAX_CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk, at most
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -27,60 +41,81 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_tokens(num_tokens: int, hidden_size: int, vocab_size: int, configured: int = 0) -> int:
-    """Tokens per chunk: `configured` when set, else so that one chunk's fp32 logits take about as much
-    memory as the slice's hidden states (Liger-Kernel's rule), at least 1."""
+    """Tokens per chunk of the head (module docstring): `configured` when set; else the chunk whose fp32 logits
+    are `LOGITS_PER_HIDDEN` x the slice's hidden states, at least `MIN_CHUNK` tokens (or the whole slice), its
+    logits at most `MAX_CHUNK_BYTES` (up to the rounding below); the slice cut in chunks of equal size of at
+    least that many tokens (a runt would read the whole weight for a few rows)."""
     if configured:
         return configured
-    return max(1, math.ceil(num_tokens / max(1, math.ceil(vocab_size / hidden_size))))
+    proportional = math.ceil(num_tokens * hidden_size * LOGITS_PER_HIDDEN / vocab_size)
+    largest = max(1, MAX_CHUNK_BYTES // (4 * vocab_size))
+    size = max(1, min(max(proportional, min(num_tokens, MIN_CHUNK)), largest))
+    return math.ceil(num_tokens / max(1, num_tokens // size))  # equal chunks of at least `size`: no runt chunk
 
 
 def _chunks(n: int, size: int):
     return [(a, min(a + size, n)) for a in range(0, n, size)]
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Sum over tokens of cross_entropy(hidden @ weight.T (+ bias), labels), chunk by chunk.
+def _logits_grad_in_place(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The gradient of the summed cross-entropy w.r.t. fp32 `logits` (c, V), written over them: softmax minus
+    one-hot, zero rows where the label is ignored. Returns the chunk's loss sum. Five passes over the chunk."""
+    valid = labels != IGNORE_INDEX
+    rows = valid.nonzero().flatten()
+    picked = logits[rows, labels[rows]]  # the targets' logits, before they are overwritten
+    peak = logits.amax(-1, keepdim=True)
+    torch.exp(logits.sub_(peak), out=logits)
+    total = logits.sum(-1, keepdim=True)
+    loss = (total[rows, 0].log() + peak[rows, 0] - picked).sum()
+    logits.div_(total)
+    logits[rows, labels[rows]] -= 1
+    logits[~valid] = 0
+    return loss
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Sum over tokens of cross_entropy(hidden @ weight.T (+ bias), labels), with its gradient computed during
+    the forward pass, chunk by chunk (module docstring).
 
     hidden (N, H) and weight (V, H) in the head's dtype; labels (N,) with IGNORE_INDEX for no target.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk):
+        want = ctx.needs_input_grad
+        grad_hidden = torch.empty_like(hidden) if want[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and want[2] else None
         total = hidden.new_zeros((), dtype=torch.float32)
         for a, b in _chunks(hidden.shape[0], chunk):
-            logits = F.linear(hidden[a:b], weight, bias).float()
-            total = total + F.cross_entropy(logits, labels[a:b], ignore_index=IGNORE_INDEX, reduction="sum")
-        ctx.save_for_backward(hidden, weight, bias, labels)
-        ctx.chunk = chunk
+            h = hidden[a:b]
+            logits = F.linear(h, weight, bias).float()
+            if not any(want[:3]):
+                total += F.cross_entropy(logits, labels[a:b], ignore_index=IGNORE_INDEX, reduction="sum")
+                continue
+            total += _logits_grad_in_place(logits, labels[a:b])
+            grad_logits = logits.to(hidden.dtype)
+            if grad_hidden is not None:
+                torch.matmul(grad_logits, weight, out=grad_hidden[a:b])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.T.float() if hidden.dtype != torch.float32 else grad_logits.T, h.float())
+            if grad_bias is not None:
+                grad_bias += grad_logits.float().sum(0)
+        ctx.grads = (grad_hidden, grad_weight, grad_bias, weight.dtype, None if bias is None else bias.dtype)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden, weight, bias, labels = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        grad_bias = None
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_bias = torch.zeros_like(bias, dtype=torch.float32)
-        for a, b in _chunks(hidden.shape[0], ctx.chunk):
-            h, y = hidden[a:b], labels[a:b]
-            probs = F.linear(h, weight, bias).float().softmax(-1)
-            valid = y != IGNORE_INDEX
-            probs[valid.nonzero().flatten(), y[valid]] -= 1
-            grad_logits = (probs * (grad_total * valid)[:, None]).to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[a:b] = grad_logits @ weight
-            if grad_weight is not None:
-                grad_weight += (grad_logits.T @ h).float()
-            if grad_bias is not None:
-                grad_bias += grad_logits.float().sum(0)
-        return (
-            grad_hidden,
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype),
-            None,
-            None,
-        )
+        grad_hidden, grad_weight, grad_bias, weight_dtype, bias_dtype = ctx.grads
+        ctx.grads = None  # computed once for one backward
+        scale = None if bool(grad_total == 1) else grad_total
+        out = []
+        for grad, dtype in ((grad_hidden, None), (grad_weight, weight_dtype), (grad_bias, bias_dtype)):
+            if grad is not None:
+                grad = grad.to(dtype) if dtype is not None and grad.dtype != dtype else grad
+                grad = grad if scale is None else grad.mul_(scale.to(grad.dtype))
+            out.append(grad)  # the weight's fp32 buffer becomes its .grad in fp32 (no copy)
+        return (*out, None, None)
 
 
 def _is_plain_linear(head) -> bool:
@@ -95,7 +130,7 @@ def head_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Ten
     one) is called once on the whole slice, as stock does, and only its fp32 upcast is chunked.
     """
     if _is_plain_linear(head):
-        return _ChunkedLinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk)
+        return _FusedLinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk)
     logits = head(hidden)
     return sum(
         F.cross_entropy(logits[a:b].float(), labels[a:b], ignore_index=IGNORE_INDEX, reduction="sum")
@@ -127,3 +162,73 @@ def sharded_causal_lm_loss(
     if torch.is_tensor(count):
         count = count.to(total.device)
     return total / count
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-token log-probabilities and entropies
+
+
+def _scaled_logits(h, weight, bias, temperature: float) -> torch.Tensor:
+    logits = F.linear(h, weight, bias).float()
+    return logits if temperature == 1.0 else logits.div_(temperature)
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """Per token: log softmax(z)[target] and the entropy of softmax(z), z = (hidden @ weight.T (+ bias)) / T in
+    fp32; both 0 where the target is IGNORE_INDEX. hidden (N, H), weight (V, H), targets (N,): (N,) fp32 each."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk):
+        log_probs = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
+        entropy = torch.zeros_like(log_probs)
+        for a, b in _chunks(hidden.shape[0], chunk):
+            z = _scaled_logits(hidden[a:b], weight, bias, temperature)
+            valid = targets[a:b] != IGNORE_INDEX
+            logp = z.log_softmax(-1)
+            picked = logp.gather(-1, targets[a:b].clamp(min=0)[:, None])[:, 0]
+            log_probs[a:b] = torch.where(valid, picked, 0.0)
+            entropy[a:b] = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        want = ctx.needs_input_grad
+        grad_hidden = torch.empty_like(hidden) if want[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and want[2] else None
+        for a, b in _chunks(hidden.shape[0], ctx.chunk):
+            h, y = hidden[a:b], targets[a:b]
+            logp = _scaled_logits(h, weight, bias, ctx.temperature).log_softmax(-1)
+            p = logp.exp()
+            valid = (y != IGNORE_INDEX).float()
+            g_logp = (grad_log_probs[a:b] * valid)[:, None]
+            g_ent = (grad_entropy[a:b] * valid)[:, None]
+            # d logp_y / dz = onehot - p;  d H / dz = -p (log p + H)
+            grad_z = -p * (g_logp + g_ent * (logp + entropy[a:b, None]))
+            grad_z.scatter_add_(-1, y.clamp(min=0)[:, None], g_logp)
+            grad_logits = (grad_z / ctx.temperature).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[a:b] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight += (grad_logits.T @ h).float()
+            if grad_bias is not None:
+                grad_bias += grad_logits.float().sum(0)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
+
+
+def token_log_probs_and_entropy(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
+                                temperature: float = 1.0, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy) per token of `hidden` (N, H) under `head` at `temperature`, each (N,) fp32, 0 where
+    `targets` (N,) is IGNORE_INDEX; in chunks, never the (N, vocabulary) logits. A head that is not a bare
+    nn.Linear is called once on the whole slice."""
+    if _is_plain_linear(head):
+        size = chunk or chunk_tokens(hidden.shape[0], hidden.shape[-1], head.out_features)
+        return _ChunkedTokenLogProbs.apply(hidden, head.weight, head.bias, targets, float(temperature), size)
+    logp = (head(hidden).float() / temperature).log_softmax(-1)
+    valid = targets != IGNORE_INDEX
+    picked = torch.where(valid, logp.gather(-1, targets.clamp(min=0)[:, None])[:, 0], 0.0)
+    return picked, torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)

@@ -26,8 +26,8 @@ from transformers.utils import ModelOutput
 
 from ..context import CPContext
 from ..distributed import SINGLE_RANK, active_cp_group
-from ..flags import BYPASS, FULL_LOGITS
-from ..loss import sharded_causal_lm_loss
+from ..flags import BYPASS, FULL_LOGITS, TOKEN_LOG_PROBS
+from ..loss import IGNORE_INDEX, sharded_causal_lm_loss, token_log_probs_and_entropy
 from ..settings import SETTINGS
 from ..stats import STATS
 from .agreement import agree_on_batch
@@ -46,10 +46,10 @@ def full_logits_requested() -> bool:
 
 
 @torch.compiler.disable  # data-dependent checks, a collective and (once) process-group creation: eager
-def enter_cp_forward(model, call: dict) -> CPContext | None:
+def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | None:
     """Checks, agreement and the packed-row layout of one forward of `model`; its arguments in `call` are
     rewritten in place as the packed row. Returns the forward's `CPContext`, or None when the call runs
-    stock (CP off and not a packed row).
+    stock (CP off and not a packed row, unless `always`).
 
     The caller runs the stock backbone inside `ctx.running()`: the top-level forward here, TRL's fused LM
     head (which calls the backbone itself) in integrations/trl.py, `vlmcp_patch.token_log_probs`.
@@ -57,7 +57,7 @@ def enter_cp_forward(model, call: dict) -> CPContext | None:
     cp = active_cp_group()
     packed = is_packed_row(call)
     if cp is None:
-        if not packed:
+        if not (packed or always):
             return None  # P=1, not packed: exactly stock
         cp = SINGLE_RANK  # P=1 packed row: the same path, no exchanges
     plan, problem = None, setup_problem(model, cp, call)
@@ -91,14 +91,41 @@ def _build_output(cls: type, backbone_out, **fields):
     return cls(**fields, **{k: v for k, v in carried.items() if v is not None})
 
 
+@dataclasses.dataclass
+class TokenLogProbsOutput(ModelOutput):
+    """Per-token log-probabilities of the targets and entropies, (batch, seq) fp32 each (`vlmcp_patch.token_log_probs`)."""
+
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+def token_log_probs_of_slice(instance, ctx: CPContext, hidden: torch.Tensor, shift_labels: torch.Tensor,
+                             temperature: float) -> TokenLogProbsOutput:
+    """Log-probabilities and entropies of this rank's slice (1, local, H), gathered over the group in the caller's
+    layout; backward keeps each rank's own slice."""
+    local = ctx.shard(shift_labels.to(hidden.device), dim=1, value=IGNORE_INDEX).reshape(-1)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    log_probs, entropy = token_log_probs_and_entropy(flat, instance.lm_head, local, temperature,
+                                                     SETTINGS.loss_chunk_tokens)
+    return TokenLogProbsOutput(**{name: ctx.to_caller(ctx.gather(x[None], dim=1))
+                                  for name, x in (("log_probs", log_probs), ("entropy", entropy))})
+
+
 def cp_top_level_forward(wrapped, instance, args, kwargs):
     """The patched top-level forward; see the module docstring for its contract."""
     if BYPASS.get():
         return wrapped(*args, **kwargs)
     call = call_arguments(wrapped, args, kwargs)
-    ctx = enter_cp_forward(instance, call)
+    temperature = TOKEN_LOG_PROBS.get()
+    ctx = enter_cp_forward(instance, call, always=temperature is not None)
     if ctx is None:
         return wrapped(*args, **kwargs)
+    if temperature is not None:
+        for key in TOP_LEVEL_ONLY[1:]:
+            call.pop(key, None)
+        targets = call.pop("shift_labels")
+        return token_log_probs_of_slice(instance, ctx, run_backbone(instance, call, ctx).last_hidden_state, targets,
+                                        temperature)
     shift_labels, num_items_in_batch, return_dict, _ = (call.pop(key, None) for key in TOP_LEVEL_ONLY)
     if return_dict is None:
         return_dict = getattr(instance.config, "return_dict", True)
