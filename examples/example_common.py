@@ -75,7 +75,7 @@ def from_local_checkpoint(model, directory: str):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = os.path.join(directory, f"policy-rank{os.environ.get('RANK', '0')}")
-    model.save_pretrained(path)
+    model.save_pretrained(path)  # before the process group exists: every rank writes its own copy
     auto = AutoModelForImageTextToText if hasattr(model.config, "vision_config") else AutoModelForCausalLM
     return auto.from_pretrained(path, attn_implementation=model.config._attn_implementation, dtype=model.dtype)
 

@@ -162,6 +162,7 @@ def report(args, trainer) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    model = policy(args)
     processor = tiny_processor() if args.model.startswith("tiny") else args.model
     data = unpaired_answers(args.samples) if args.trainer == "kto" else (
         text_pairs(args.samples) if args.text else preference_pairs(args.samples))
@@ -170,7 +171,7 @@ def main(argv=None) -> None:
     if args.reference == "precomputed":
         data = on_disk(data, os.path.join(args.output_dir, "data"))
     _, trainer_class = TRAINERS[args.trainer]
-    trainer = trainer_class(model=policy(args), args=preference_config(args), train_dataset=data,
+    trainer = trainer_class(model=model, args=preference_config(args), train_dataset=data,
                             processing_class=processor,
                             callbacks=[vlmcp_patch.VLMCPCallback()])  # optional: setup checks, CP facts in the logs
     trainer.train()
