@@ -12,7 +12,8 @@ have one; `--text-only-replica R` gives replica R text-only prompts); the model'
 completions and a reward on the completion text scores them. Everything is built in code: the embedded
 tiny random-init model, a character-level tokenizer and the stock Qwen3-VL processor logic around it, PIL
 images. On GPUs, `--model Qwen/Qwen3-VL-2B-Instruct --attn flash_attention_2 --bf16` trains a released
-checkpoint with its own processor. Rank 0 prints the logged metrics of every step.
+checkpoint with its own processor. With `VLMCP_SPLIT_ROLLOUTS=1` each rank of a CP group generates its share of
+the group's completions (faster; other random draws). Rank 0 prints the logged metrics of every step.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ def image_prompts(n: int, text_only: bool = False) -> Dataset:
     return Dataset.from_list(rows)
 
 
-class VowelReward:
-    """The reward: the share of vowels in the completion's text. It also records the completions it scored."""
+class LetterReward:
+    """The reward: the share of letters among the completion's characters (a toy; it rarely ties, so the
+    group-relative advantages are rarely all zero). It also records the completions it scored."""
 
-    __name__ = "vowels"
+    __name__ = "letters"
 
     def __init__(self):
         self.seen = []
@@ -63,7 +65,7 @@ class VowelReward:
     def __call__(self, prompts, completions, completion_ids, **kwargs):
         self.seen.append([list(ids) for ids in completion_ids])
         texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-        return [sum(ch in "aeiouAEIOU" for ch in t) / max(1, len(t)) for t in texts]
+        return [sum(ch.isalpha() for ch in t) / max(1, len(t)) for t in texts]
 
 
 def parse_args(argv=None):
@@ -86,6 +88,8 @@ def parse_args(argv=None):
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--text-only-replica", type=int, default=-1,
                         help="data-parallel replica whose prompts have no pictures (mixed-modality runs)")
+    parser.add_argument("--vllm-mode", choices=["server", "colocate"], help="roll out with vLLM (a server, or one "
+                        "engine per process); default: the model's own generate")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--fsdp", action="store_true", help="train with FSDP2")
     parser.add_argument("--deepspeed", help="train with DeepSpeed, this config")
@@ -103,6 +107,8 @@ def rl_config(args, on_cpu: bool):
         extra["steps_per_generation"] = args.steps_per_generation
     if args.trainer == "grpo":
         extra["scale_rewards"] = args.scale_rewards
+    if args.vllm_mode:
+        extra.update(use_vllm=True, vllm_mode=args.vllm_mode)
     sharded = args.fsdp or bool(args.deepspeed)
     return config_class(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
@@ -129,7 +135,7 @@ def prompts_of_this_replica(args) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def report(args, trainer, reward: VowelReward) -> None:
+def report(args, trainer, reward: LetterReward) -> None:
     state = full_state_dict(trainer.model, trainer.accelerator) if args.save_weights else None
     wrapper = describe_wrapper(trainer.model_wrapped, trainer.model)
     rank = int(os.environ.get("RANK", "0"))
@@ -166,7 +172,7 @@ def main(argv=None) -> None:
         from vlmcp_patch.fixtures.cpu import configure_cpu_fsdp_state
 
         configure_cpu_fsdp_state(config.fsdp_plugin_args, config.parallelism_config, config.mixed_precision)
-    reward = VowelReward()
+    reward = LetterReward()
     _, trainer_class = TRAINERS[args.trainer]
     trainer = trainer_class(model=model, args=config, reward_funcs=[reward], train_dataset=prompts_of_this_replica(args),
                             processing_class=processor or args.model,

@@ -140,3 +140,47 @@ def test_cp2_dp2_grpo_with_a_text_only_replica(wrapper, flags):
         assert a["num_tokens"] == b["num_tokens"] and b["cp_data_parallel_size"] == 2
     # the two replicas' ranks: each group scored its own replica's completions, identically on its two ranks
     assert candidate.completions[0] == candidate.completions[1] != candidate.completions[2] == candidate.completions[3]
+
+
+STANDIN = ROOT / "tests" / "vllm_standin_script.py"
+
+
+@functools.cache
+def vllm_run(mode: str, procs: int, cp_size: int) -> tuple[Run, list[list[int]]]:
+    """A GRPO run whose rollouts go through TRL's vLLM path (server or colocate) with stand-ins for vLLM; and, per
+    rank, how many prompts each engine call received."""
+    folder = Path(tempfile.mkdtemp(prefix=f"vllm-{mode}-{procs}-"))
+    files = ["--save-weights", folder / "w.pt", "--save-logs", folder / "log.json", "--output-dir", folder / "out",
+             "--save-completions", folder / "completions.json"]
+    env = {"VLMCP_CP_SIZE": str(cp_size), "VLLM_STANDIN_RECORD": str(folder / "engine")}
+    out = launch(STANDIN, [*COMMON, *files, "--vllm-mode", mode], procs=procs,
+                 launcher="python" if procs == 1 else "torchrun", env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    calls = [[len(json.loads(line)) for line in f.read_text().splitlines()] for f in sorted(folder.glob("engine.*"))]
+    return Run(folder, procs), calls
+
+
+@pytest.mark.parametrize("mode", ["server", "colocate"])
+def test_vllm_rollouts_reach_the_engine_once_per_group(mode):
+    """TRL's vLLM rollouts under CP=2 (the engine and its client replaced by in-process stand-ins): the engine gets
+    one copy of each prompt per CP group — as many as from one process — and every rank of the group trains on
+    the same completions, the one-process ones."""
+    pytest.importorskip("trl")
+    (reference, reference_calls), (candidate, calls) = vllm_run(mode, 1, 1), vllm_run(mode, 2, 2)
+    assert calls == reference_calls and len(calls) == 1  # one rank's engine (server: the main process'; colocate:
+    # the group's first rank's), the same prompts per call as one process
+    assert candidate.completions[0] == candidate.completions[1] == reference.completions[0]
+    assert_trains_like(candidate, reference)
+    assert any(step["grad_norm"] > 0.1 for step in reference.steps)  # the rollouts really train
+
+
+def test_split_rollouts_generate_each_rank_its_share():
+    """With VLMCP_SPLIT_ROLLOUTS=1 the ranks of a group generate different rows of the group's rollout (other draws
+    than one process: documented) and then all train on the same completions."""
+    pytest.importorskip("trl")
+    reference = run("trl_grpo.py", "grpo-plain-p1", 1, 1)
+    split = run("trl_grpo.py", "grpo-split-cp2", 2, 2, (), (("VLMCP_SPLIT_ROLLOUTS", "1"),))
+    assert split.completions[0] == split.completions[1] != reference.completions[0]
+    first_prompt = split.completions[0][0]
+    assert first_prompt[0] != first_prompt[1]  # the two generations of a prompt came from two ranks' streams
+    assert all(step["grad_norm"] > 0 for step in split.steps)

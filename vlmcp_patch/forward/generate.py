@@ -72,7 +72,12 @@ def split_generate(wrapped, instance, args, kwargs):
     cp = get_cp_group()
     call = call_arguments(wrapped, args, kwargs)
     mine, rows = _share_of_rows(instance, call, cp.rank, cp.size)
-    with disabled():
+    # The ranks of a group share their random state: each draws from its own stream for its rows, and the shared
+    # state advances the same on every rank (one draw for the streams' seed).
+    seed = int(torch.randint(0, 2**62, (1,)))
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with disabled(), torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed + cp.rank)
         out = wrapped(**mine) if rows.start < rows.stop else call["input_ids"][:0]
     config = call.get("generation_config") or instance.generation_config
     pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id

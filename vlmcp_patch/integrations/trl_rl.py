@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import cp_running, data_parallel_rank, data_parallel_world_size, get_cp_group
+from ..errors import UnsupportedSetupError
 from ..flags import REPLICA_VIEW, SPLIT_ROLLOUT, scoped
 from ..patching import Patch, PropertyPatch
 from ..settings import SETTINGS, cp_size
@@ -145,6 +146,21 @@ def generated_for_the_group(wrapped, instance, args, kwargs):
     return kept_from_group_leader(wrapped, instance, args, kwargs)
 
 
+def colocated_engine_of_group_leader(wrapped, instance, args, kwargs):
+    """vLLM colocated with training (one engine per process): under CP only the group's first rank's engine
+    generates — one copy of each prompt per CP group reaches an engine — and the group receives its output."""
+    if not cp_running() or instance.mode != "colocate":
+        return wrapped(*args, **kwargs)
+    if instance.tensor_parallel_size > 1:
+        raise UnsupportedSetupError(
+            f"vLLM colocate mode with vllm_tensor_parallel_size={instance.tensor_parallel_size} under CP: its tensor-"
+            "parallel groups of consecutive ranks would span CP groups; use vllm_mode='server', or tensor-parallel "
+            "size 1"
+        )
+    result = wrapped(*args, **kwargs) if get_cp_group().rank == 0 else None
+    return from_group_leader(result)
+
+
 def random_state_of_group_leader(wrapped, instance, args, kwargs):
     """After a generation batch is built: the group continues from its first rank's random state (TRL shuffles the
     batch next), whatever the ranks drew while building it."""
@@ -203,8 +219,11 @@ def patches() -> list:
                       "inside TRL's RL batch building and loss under CP: this rank's replica, not its rank",
                       requires="accelerate"),
         Patch("trl.generation.vllm_generation.gather_object", gather_objects_per_replica,
-              "vLLM rollouts under CP: one copy of each prompt per CP group reaches the engine",
+              "vLLM server rollouts under CP: one copy of each prompt per CP group reaches the engine",
               expects=("object",), requires="trl"),
+        Patch("trl.generation.vllm_generation.VLLMGeneration.generate", colocated_engine_of_group_leader,
+              "vLLM colocate rollouts under CP: only the group's first rank's engine generates, the group receives it",
+              expects=("prompts", "images", "num_generations"), requires="trl"),
     ]
     for module, name in RL_TRAINERS.items():
         trainer = f"trl.trainer.{module}_trainer.{name}Trainer"
