@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from benchmarks.common import build_benchmark_model
-from tests.harness import run_distributed
+from tests.helpers.harness import run_distributed
 from vlmcp_patch.fixtures.probes import CollectiveProbe
 from vlmcp_patch.layout import kv_replication_factor, round_up
 

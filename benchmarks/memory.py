@@ -2,6 +2,7 @@
 per-token proportions (fewer layers), on a packed row of two samples.
 
     python -m benchmarks.memory [--model qwen3-vl|qwen3.5] [--sample text-heavy|image-heavy] [--sizes 1 2 4]
+        [--step sft|grpo]
 
 For each P it prints, for the busiest rank: the bytes autograd saves for backward (saved-tensor hooks;
 parameters left out) and the peak of live tensor bytes during forward + backward (every storage created
@@ -19,18 +20,47 @@ import argparse
 import torch
 
 from benchmarks.common import MIB, LiveBytes, ModuleStack, SavedTensors, build_benchmark_model, packed_sample, timed
-from tests.harness import run_distributed
+from tests.helpers.harness import run_distributed
 
 NOT_SHRINKING = 1.2
 
 
-def measure(rank: int, world_size: int, model_name: str, sample: str, stock: bool = False) -> dict:
-    """One forward + backward of the sample on this rank; its saved bytes by module, peak live bytes, time."""
+def completion_targets(batch: dict, share: float = 0.25) -> torch.Tensor:
+    """GRPO scores the completion: the last `share` of each sample's tokens are its targets (-100 elsewhere)."""
+    targets = torch.full_like(batch["input_ids"], -100)
+    starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
+    for a, b in zip(starts[:-1], starts[1:]):
+        first = b - max(1, int((b - a) * share))
+        targets[0, first - 1 : b - 1] = batch["input_ids"][0, first:b]
+    return targets
+
+
+def grpo_scoring_loss(model, reference, batch: dict, beta: float = 0.04) -> torch.Tensor:
+    """What a GRPO step computes on one batch: the reference's log-probabilities of the completion tokens (no
+    gradient), the policy's (with it), and the clipped-ratio loss with a KL term, per token."""
+    import vlmcp_patch
+
+    targets = completion_targets(batch)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        ref = vlmcp_patch.token_log_probs(reference, targets=targets, **inputs).log_probs
+    out = vlmcp_patch.token_log_probs(model, targets=targets, **inputs)
+    scored = (targets != -100).float()
+    advantage = torch.linspace(-1, 1, scored.shape[1])[None]
+    ratio = torch.exp(out.log_probs - out.log_probs.detach())
+    kl = torch.exp(ref - out.log_probs) - (ref - out.log_probs) - 1
+    return ((-ratio * advantage + beta * kl) * scored).sum() / scored.sum()
+
+
+def measure(rank: int, world_size: int, model_name: str, sample: str, stock: bool = False, step_kind: str = "sft"):
+    """One forward + backward of the sample on this rank (`grpo`: a GRPO scoring step, policy and reference); its
+    saved bytes by module, peak live bytes, time."""
     import vlmcp_patch
     from vlmcp_patch.stats import STATS
 
     torch.manual_seed(0)
     model = build_benchmark_model(model_name)
+    reference = build_benchmark_model(model_name).requires_grad_(False) if step_kind == "grpo" else None
     batch = packed_sample(sample)
     if stock:
         vlmcp_patch.revert()
@@ -38,11 +68,12 @@ def measure(rank: int, world_size: int, model_name: str, sample: str, stock: boo
     STATS.drain()
     modules = ModuleStack(model)
     saved = SavedTensors(model, modules)
-    live = LiveBytes([*model.parameters(), *model.buffers(), *(v for v in batch.values() if torch.is_tensor(v))])
+    weights = [*model.parameters(), *model.buffers(), *(reference.parameters() if reference is not None else ())]
+    live = LiveBytes([*weights, *(v for v in batch.values() if torch.is_tensor(v))])
 
     def step():
         with modules, saved.recording(), live:
-            loss = model(**batch).loss
+            loss = model(**batch).loss if reference is None else grpo_scoring_loss(model, reference, batch)
             loss.backward()
         return loss
 
@@ -94,16 +125,22 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-vl", choices=["qwen3-vl", "qwen3.5"])
     parser.add_argument("--sample", default="text-heavy", choices=["text-heavy", "image-heavy"])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--step", default="sft", choices=["sft", "grpo"],
+                        help="sft: the loss of every token; grpo: a GRPO scoring step (policy and reference "
+                        "log-probabilities of the completion tokens, vlmcp_patch.token_log_probs)")
     args = parser.parse_args()
 
-    stock = run_distributed(measure, 1, args.model, args.sample, True, timeout=3600)[0]
-    results = {p: run_distributed(measure, p, args.model, args.sample, timeout=3600) for p in args.sizes}
+    stock = None if args.step == "grpo" else run_distributed(measure, 1, args.model, args.sample, True,
+                                                              timeout=3600)[0]
+    results = {p: run_distributed(measure, p, args.model, args.sample, False, args.step, timeout=3600)
+               for p in args.sizes}
     reference = results[1][0]
     print(f"{args.model}, {args.sample}: {reference['tokens']} tokens, {reference['all_patches']} vision patches")
     print(f"{'P':>9} {'saved MiB':>10} {'R saved':>8} {'peak MiB':>9} {'R peak':>7} {'patches':>8} {'patch ratio':>11}"
           f" {'step s':>7}")
-    print(f"{'1 stock':>9} {stock['saved'] / MIB:>10.1f} {'':>8} {stock['peak'] / MIB:>9.1f} {'':>7} "
-          f"{stock['vision_patches']:>8d} {'':>11} {stock['seconds']:>7.1f}")
+    if stock is not None:
+        print(f"{'1 stock':>9} {stock['saved'] / MIB:>10.1f} {'':>8} {stock['peak'] / MIB:>9.1f} {'':>7} "
+              f"{stock['vision_patches']:>8d} {'':>11} {stock['seconds']:>7.1f}")
     for size, per_rank in results.items():
         saved, peak = _busiest(per_rank, "saved"), _busiest(per_rank, "peak")
         patches = _busiest(per_rank, "vision_patches")

@@ -28,7 +28,7 @@ import time
 import torch
 
 from benchmarks.common import MIB, SAMPLES, LiveBytes, build_benchmark_model, real_image_processor
-from tests.harness import run_distributed
+from tests.helpers.harness import run_distributed
 from vlmcp_patch.fixtures.data import Segment, make_packed_batch
 from vlmcp_patch.fixtures.probes import CollectiveProbe
 

@@ -42,7 +42,8 @@ PAIRS = [
 
 
 def user(question: str, images: int) -> list:
-    return [{"role": "user", "content": [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": question}]}]
+    content = [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": question}]
+    return [{"role": "user", "content": content}]
 
 
 def assistant(text: str) -> list:
@@ -62,7 +63,8 @@ def text_pairs(n: int) -> Dataset:
     rows = []
     for i in range(n):
         question, good, bad, _ = PAIRS[i % len(PAIRS)]
-        rows.append({"prompt": [{"role": "user", "content": question}], "chosen": [{"role": "assistant", "content": good}],
+        rows.append({"prompt": [{"role": "user", "content": question}],
+                     "chosen": [{"role": "assistant", "content": good}],
                      "rejected": [{"role": "assistant", "content": bad}]})
     return Dataset.from_list(rows)
 

@@ -174,8 +174,8 @@ def main(argv=None) -> None:
         configure_cpu_fsdp_state(config.fsdp_plugin_args, config.parallelism_config, config.mixed_precision)
     reward = LetterReward()
     _, trainer_class = TRAINERS[args.trainer]
-    trainer = trainer_class(model=model, args=config, reward_funcs=[reward], train_dataset=prompts_of_this_replica(args),
-                            processing_class=processor or args.model,
+    trainer = trainer_class(model=model, args=config, reward_funcs=[reward],
+                            train_dataset=prompts_of_this_replica(args), processing_class=processor or args.model,
                             callbacks=[vlmcp_patch.VLMCPCallback()])  # optional: setup checks, CP facts in the logs
     trainer.train()
     report(args, trainer, reward)

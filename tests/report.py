@@ -2,7 +2,8 @@
 
     python -m tests.report              # parity: CP vs stock P=1 (worst over cases and ranks), packed rows,
                                         # one DeltaNet layer
-    python -m tests.report --training   # trained weights of every training integration vs one process
+    python -m tests.report --training   # trained weights of every training integration vs one process (TRL's RL
+                                        # and preference trainers included)
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from tests.cases import FAMILIES, run_cases
-from tests.deltanet_cases import run_layer_cases
-from tests.harness import run_distributed, weight_error
-from tests.packing_cases import CONFIGS, run_packing_cases
+from tests.helpers.cases import FAMILIES, run_cases
+from tests.helpers.deltanet_cases import run_layer_cases
+from tests.helpers.harness import run_distributed
+from tests.helpers.packing_cases import CONFIGS, run_packing_cases
+from vlmcp_patch.fixtures.compare import state_dict_error
 
 KEYS = ("loss_err", "logits_err", "grad_err", "decay_path_grad_err")
 
@@ -49,7 +51,8 @@ def _differences(run, reference) -> str:
     steps = list(zip(run.train, reference.train))
     loss = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in steps)
     norm = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]) for a, b in steps)
-    return f"{weight_error(run.weights, reference.weights):.1e} (loss {loss:.1e}, grad_norm {norm:.1e}) [{run.wrapper}]"
+    error = state_dict_error(run.weights, reference.weights)
+    return f"{error:.1e} (loss {loss:.1e}, grad_norm {norm:.1e}) [{run.wrapper}]"
 
 
 def training() -> None:
@@ -68,15 +71,16 @@ def training() -> None:
         ("HF Trainer + FSDP2, accelerate launch config file",
          lambda m: t._launch(f"r-accfsdp-{m}", 2, 2, m, launcher="accelerate_fsdp2")),
     ]
+    p1 = {model: t.p1(model) for model in (t.VL, t.Q35)}
     print(f"{'setup (CP=2 vs one process: max rel. weight diff)':52s} {'Qwen3-VL':>50} {'Qwen3.5':>50}")
     for name, run in rows:
-        cells = [_differences(run(model), t.p1(model)) for model in (t.VL, t.Q35)]
+        cells = [_differences(run(model), p1[model]) for model in (t.VL, t.Q35)]
         print(f"{name:52s} {cells[0]:>50} {cells[1]:>50}")
     from tests import test_deepspeed as d
     from tests import test_trl as trl
 
     for stage, launcher in ((2, "torchrun"), (3, "torchrun"), (3, "deepspeed")):
-        cells = [f"{weight_error(d.train(m, stage, 2, 2, launcher)[0], d.train(m, stage, 1, 1)[0]):.1e}"
+        cells = [f"{state_dict_error(d.train(m, stage, 2, 2, launcher)[0], d.train(m, stage, 1, 1)[0]):.1e}"
                  for m in (t.VL, t.Q35)]
         print(f"{f'raw DeepSpeed ZeRO-{stage}, {launcher}':52s} {cells[0]:>50} {cells[1]:>50}")
     import tempfile
@@ -86,15 +90,39 @@ def training() -> None:
     trl_p1 = trl._launch(tmp, "p1", 1, 1)
     for wrapper, extra in (("DDP", []), ("FSDP2", ["--fsdp"])):
         run = trl._launch(tmp, f"cp2-{wrapper}", 2, 2, extra)
-        print(f"{'TRL SFTTrainer, ' + wrapper:52s} {f'{weight_error(run[0], trl_p1[0]):.1e} [{run[2]}]':>50}")
-    reference = t.one_process_of_two_replicas()
+        print(f"{'TRL SFTTrainer, ' + wrapper:52s} {f'{state_dict_error(run[0], trl_p1[0]):.1e} [{run[2]}]':>50}")
+    reference = t.one_process_of_two_replicas()  # launched once here
     for wrapper, extra in (("DDP", ["--ddp-find-unused-parameters", "false", "--gradient-checkpointing"]),
                            ("DeepSpeed ZeRO-2", t._deepspeed(2)), ("DeepSpeed ZeRO-3", t._deepspeed(3)),
                            ("FSDP2", ["--fsdp"])):
         run = t._launch(f"r-mixed-{wrapper}", 4, 2, t.VL, [*t.REPLICA, "--grad-accum", "2", *extra])
         print(f"{'CP=2 x DP=2, mixed modality, ' + wrapper:52s} {_differences(run, reference):>50}")
     control = t._launch("r-stock", 2, 1, t.VL)
-    print(f"{'stock DDP, two processes (control)':52s} {weight_error(control.weights, t.p1(t.VL).weights):>50.1e}")
+    print(f"{'stock DDP, two processes (control)':52s} {state_dict_error(control.weights, p1[t.VL].weights):>50.1e}")
+    reinforcement()
+
+
+def _metric_difference(run, reference) -> float:
+    """The worst difference of any logged metric, relative to its magnitude (0.01 at least: values near zero)."""
+    from tests.test_trl_rl import IGNORED
+
+    return max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-2) for a, b in zip(reference.steps, run.steps)
+               for k, v in a.items() if isinstance(v, (int, float)) and k not in IGNORED)
+
+
+def reinforcement() -> None:
+    """TRL's RL and preference trainers at CP=2 against one process (tests/test_trl_rl.py's runs)."""
+    from tests import test_trl_rl as rl
+
+    for case, (script, extra) in {**rl.RL, **rl.PREFERENCE}.items():
+        reference, run = rl.run(script, f"r-{case}-p1", 1, 1, extra), rl.run(script, f"r-{case}-cp2", 2, 2, extra)
+        same = "same completions" if run.completions and run.completions[0] == reference.completions[0] else ""
+        error, metrics = state_dict_error(run.weights, reference.weights), _metric_difference(run, reference)
+        cell = f"{error:.1e} (metrics {metrics:.1e}) [{run.wrapper}] {same}"
+        print(f"{'TRL ' + case + ' ' + ' '.join(extra):52s} {cell}")
+    control = rl.run("trl_grpo.py", "r-grpo-ddp2", 2, 1, rl.RL["grpo-qwen3-vl"][1])
+    reference = rl.run("trl_grpo.py", "r-grpo-qwen3-vl-p1", 1, 1, rl.RL["grpo-qwen3-vl"][1])
+    print(f"{'stock GRPO, two processes (control)':52s} {state_dict_error(control.weights, reference.weights):.1e}")
 
 
 def main() -> None:

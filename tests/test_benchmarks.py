@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tests.harness import ROOT, launch
+from tests.helpers.harness import ROOT, launch
 
 
 def test_gpu_check_dry_run_on_cpu_with_two_ranks():

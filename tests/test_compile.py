@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.harness import run_distributed
-from tests.parity import TOL
+from tests.helpers.harness import run_distributed
+from tests.helpers.parity import TOL
 
 
 def _compiled_cp_step(rank, world_size):

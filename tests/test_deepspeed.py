@@ -9,7 +9,6 @@ DeepSpeed on two processes shows the data really is sharded there (its weights d
 
 from __future__ import annotations
 
-import functools
 import json
 import tempfile
 from pathlib import Path
@@ -17,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import ROOT, launch, weight_error
+from tests.helpers.harness import ROOT, launch
+from vlmcp_patch.fixtures.compare import state_dict_error
 
 pytest.importorskip("deepspeed")
 
 SCRIPT = ROOT / "examples" / "deepspeed_train.py"
 
 
-@functools.cache
 def train(model: str, stage: int, procs: int, cp_size: int, launcher="torchrun") -> tuple[dict, list]:
     tmp = Path(tempfile.mkdtemp())
     args = ["--deepspeed", ROOT / "examples" / f"ds_zero{stage}.json", "--model", model,
@@ -36,11 +35,11 @@ def train(model: str, stage: int, procs: int, cp_size: int, launcher="torchrun")
 
 
 @pytest.mark.parametrize("model,stage,launcher", [("tiny-qwen3-vl", 2, "torchrun"), ("tiny-qwen3.5", 3, "deepspeed")])
-def test_deepspeed_cp2_equals_p1(model, stage, launcher):
+def test_deepspeed_cp2_equals_p1(model, stage, launcher, once):
     """CP=2 under torchrun, and under the deepspeed launcher (it adds --local_rank; VLMCP_CP_SIZE rides in the
     environment), against one process."""
-    (w1, log1), (w2, log2) = train(model, stage, 1, 1), train(model, stage, 2, 2, launcher)
-    assert weight_error(w2, w1) <= 1e-4
+    (w1, log1), (w2, log2) = once(train, model, stage, 1, 1), once(train, model, stage, 2, 2, launcher)
+    assert state_dict_error(w2, w1) <= 1e-4
     assert len(log1) == len(log2) == 3
     for a, b in zip(log1, log2):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
@@ -48,6 +47,6 @@ def test_deepspeed_cp2_equals_p1(model, stage, launcher):
     assert any(entry["grad_norm"] > 1.0 for entry in log1), "gradient clipping (at 1.0) was never exercised"
 
 
-def test_stock_deepspeed_on_two_processes_shards_the_data():
-    (w1, _), (wd, _) = train("tiny-qwen3-vl", 2, 1, 1), train("tiny-qwen3-vl", 2, 2, 1)
-    assert weight_error(wd, w1) > 1e-2
+def test_stock_deepspeed_on_two_processes_shards_the_data(once):
+    (w1, _), (wd, _) = once(train, "tiny-qwen3-vl", 2, 1, 1), once(train, "tiny-qwen3-vl", 2, 2, 1)
+    assert state_dict_error(wd, w1) > 1e-2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deltanet_cases import run_layer_cases
-from tests.harness import run_distributed
+from tests.helpers.deltanet_cases import run_layer_cases
+from tests.helpers.harness import run_distributed
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tests.harness import ROOT, launch
+from tests.helpers.harness import ROOT, launch
 
 
 def test_demo_cp2_matches_p1():

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.error_cases import SCENARIOS, run_error_cases, same_loss
-from tests.harness import run_distributed
+from tests.helpers.error_cases import SCENARIOS, run_error_cases, same_loss
+from tests.helpers.harness import run_distributed
 
 SETUPS = {
     "cp_size_not_dividing_world": ("UnsupportedSetupError", "does not divide the world size 2"),

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from tests.harness import ROOT, launch
+from tests.helpers.harness import ROOT, launch
 
-SCRIPT = ROOT / "tests" / "fault_script.py"
+SCRIPT = ROOT / "tests" / "helpers" / "fault_script.py"
 BOUND = 90  # seconds from launch to the end of the job: imports, one CP step, the fault, the 10 s timeout
 
 

@@ -1,4 +1,4 @@
-"""The accepted input space, combination by combination (tests/input_space.py): at P=1 the import changes
+"""The accepted input space, combination by combination (tests/helpers/input_space.py): at P=1 the import changes
 nothing, bit for bit; under CP=2 every combination stock accepts runs and equals stock, and every one it
 refuses fails under CP too. README: "The input space"."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import run_distributed
-from tests.input_space import CLASSES, combinations, refused_by_design, run_input_space
-from tests.parity import TOL
+from tests.helpers.harness import run_distributed
+from tests.helpers.input_space import CLASSES, combinations, refused_by_design, run_input_space
+from tests.helpers.parity import TOL
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,8 @@ def space():
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_p1_with_the_import_is_stock_bit_for_bit(name, space):
     for combo in combinations(name):
-        checked = [res[(name, combo)]["p1_identical"] for res in space if res[(name, combo)]["p1_identical"] is not None]
+        checked = [res[(name, combo)]["p1_identical"] for res in space]
+        checked = [c for c in checked if c is not None]
         assert checked == [True], (name, combo)
 
 

@@ -4,17 +4,15 @@ at any P for every supported class, padded on either side."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 import vlmcp_patch
-from tests.harness import run_distributed
-from vlmcp_patch.forward.arguments import CACHE_KEYWORDS
+from tests.helpers.harness import run_distributed
 from vlmcp_patch.fixtures.data import Segment as S
 from vlmcp_patch.fixtures.data import make_batch
 from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
+from vlmcp_patch.forward.arguments import CACHE_KEYWORDS
 
 MODELS = {
     "Qwen3VLForConditionalGeneration": lambda: tiny_qwen3_vl_config(),
@@ -110,13 +108,6 @@ def _identical(a, b) -> bool:
         torch.equal(a[3][n], b[3][n]) for n in a[3])
 
 
-@pytest.fixture
-def reapply():
-    yield
-    vlmcp_patch.apply()
-    vlmcp_patch.enable(cp_size=1)
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_p1_is_bit_identical_to_stock_for_stock_valid_inputs(name, reapply):
     model = build_model(MODELS[name](), seed=3)
@@ -150,15 +141,14 @@ def generate_cases(rank: int, world_size: int) -> dict:
     return results
 
 
-@functools.cache
-def generated():
+def generate_run():
     return run_distributed(generate_cases, 2, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_generate_under_cp_equals_p1(name, side):
-    for res in generated():
+def test_generate_under_cp_equals_p1(name, side, once):
+    for res in once(generate_run):
         assert res[f"{name} {side}"] == (3, True)
 
 

@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from tests.cases import EXCHANGES
-from tests.harness import run_distributed
-from tests.packing_cases import CONFIGS, run_packing_cases
-from tests.parity import TOL
+from tests.helpers.cases import EXCHANGES
+from tests.helpers.harness import run_distributed
+from tests.helpers.packing_cases import CONFIGS, run_packing_cases
+from tests.helpers.parity import TOL
 from vlmcp_patch.collator import MultimodalPackingCollator, PackedDataset, pack_into_bins
 
 
-@functools.cache
-def results(cp_size: int, cu_seq_lens: bool = False):
+def packing_run(cp_size: int, cu_seq_lens: bool = False):
     return run_distributed(run_packing_cases, cp_size, list(CONFIGS), cu_seq_lens, timeout=600)
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_packed_row_equals_samples_one_by_one(family, cp_size):
-    for rank, res in enumerate(results(cp_size)):
+def test_packed_row_equals_samples_one_by_one(family, cp_size, once):
+    for rank, res in enumerate(once(packing_run, cp_size)):
         m = res[family]
         where = f"{family}, P={cp_size}, rank {rank}"
         assert m["loss_err"] <= TOL, where
@@ -34,15 +31,15 @@ def test_packed_row_equals_samples_one_by_one(family, cp_size):
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_shard_edges_fall_inside_samples_and_images(cp_size):
-    m = results(cp_size)[0]["qwen3_vl"]
+def test_shard_edges_fall_inside_samples_and_images(cp_size, once):
+    m = once(packing_run, cp_size)[0]["qwen3_vl"]
     assert m["edges_inside_samples"]
     if cp_size == 4:
         assert m["edge_inside_image"]
 
 
-def test_cu_seq_lens_given_by_the_collator_are_used():
-    for res in results(2, cu_seq_lens=True):
+def test_cu_seq_lens_given_by_the_collator_are_used(once):
+    for res in once(packing_run, 2, True):
         for family, m in res.items():
             assert m["loss_err"] <= TOL and m["grad_err"] <= TOL, family
 

@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT, launch
+from tests.helpers.harness import ROOT, launch
 
 pytest.importorskip("deepspeed")
 
 
 def run(mode: str, tmp_path: Path) -> dict:
     out = tmp_path / f"{mode}.json"
-    proc = launch(ROOT / "tests" / "parallelism_config_script.py", [mode, out], procs=2, env={"VLMCP_CP_SIZE": "1"})
+    script = ROOT / "tests" / "helpers" / "parallelism_config_script.py"
+    proc = launch(script, [mode, out], procs=2, env={"VLMCP_CP_SIZE": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

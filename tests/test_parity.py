@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from tests.cases import EXCHANGES, FAMILIES, QWEN3_5_CASES, QWEN3_VL_CASES, run_cases
-from tests.harness import run_distributed
-from tests.parity import TOL
+from tests.helpers.cases import EXCHANGES, FAMILIES, QWEN3_5_CASES, QWEN3_VL_CASES, run_cases
+from tests.helpers.harness import run_distributed
+from tests.helpers.parity import TOL
 
 FLASH_CASES = ["multi_image", "padded_pair", "packed_text", "text_only", "one_kv_head"]
 
 
-@functools.cache
-def results(family: str, cp_size: int, attn: str):
+def parity_run(family: str, cp_size: int, attn: str):
     names = list(FAMILIES[family][1]) if attn == "sdpa" else FLASH_CASES
     return run_distributed(run_cases, cp_size, cp_size, family, names, attn, timeout=600)
 
@@ -38,25 +35,25 @@ def assert_parity(per_rank: list[dict], family: str, case: str, cp_size: int) ->
 
 @pytest.mark.parametrize("cp_size", [2, 4])
 @pytest.mark.parametrize("case", list(QWEN3_VL_CASES))
-def test_qwen3_vl(case, cp_size):
-    assert_parity(results("qwen3_vl", cp_size, "sdpa"), "qwen3_vl", case, cp_size)
+def test_qwen3_vl(case, cp_size, once):
+    assert_parity(once(parity_run, "qwen3_vl", cp_size, "sdpa"), "qwen3_vl", case, cp_size)
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])
 @pytest.mark.parametrize("case", list(QWEN3_5_CASES))
-def test_qwen3_5(case, cp_size):
-    assert_parity(results("qwen3_5", cp_size, "sdpa"), "qwen3_5", case, cp_size)
+def test_qwen3_5(case, cp_size, once):
+    assert_parity(once(parity_run, "qwen3_5", cp_size, "sdpa"), "qwen3_5", case, cp_size)
 
 
-def test_lora_case_trains_only_adapters():
-    m = results("qwen3_vl", 2, "sdpa")[0]["lora_frozen_vision"]
+def test_lora_case_trains_only_adapters(once):
+    m = once(parity_run, "qwen3_vl", 2, "sdpa")[0]["lora_frozen_vision"]
     assert m["num_params"] == m["trainable"] == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_awkward_cases_are_awkward(family, cp_size):
-    per_case = results(family, cp_size, "sdpa")[0]
+def test_awkward_cases_are_awkward(family, cp_size, once):
+    per_case = once(parity_run, family, cp_size, "sdpa")[0]
     m = per_case["multi_image"]
     assert m["seq_len"] % cp_size, "length must not be a multiple of P"
     assert m["image_crosses_edge"], "an image span must cross a shard edge"
@@ -67,10 +64,10 @@ def test_awkward_cases_are_awkward(family, cp_size):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_vision_data_parallelism_splits_the_work(family, cp_size):
+def test_vision_data_parallelism_splits_the_work(family, cp_size, once):
     """Each rank encodes only its share of the vision patches (its own count, not everyone's); with
     VLMCP_VISION_DP=0 every rank encodes all of them (and parity holds either way, above)."""
-    per_rank = results(family, cp_size, "sdpa")
+    per_rank = once(parity_run, family, cp_size, "sdpa")
     for case in ("multi_image", "video_and_image"):
         encoded = [res[case]["vision_patches_per_rank"] for res in per_rank]
         total = per_rank[0][case]["vision_patches"]
@@ -80,9 +77,9 @@ def test_vision_data_parallelism_splits_the_work(family, cp_size):
 
 
 @pytest.mark.parametrize("case", FLASH_CASES)
-def test_flash_attention_2_plumbing(case):
+def test_flash_attention_2_plumbing(case, once):
     """The real flash_attention_2 path of transformers, with a CPU stand-in kernel in place of flash-attn."""
-    per_rank = results("qwen3_vl", 2, "flash_attention_2")
+    per_rank = once(parity_run, "qwen3_vl", 2, "flash_attention_2")
     assert_parity(per_rank, "qwen3_vl", case, 2)
     m = per_rank[0][case]
     calls = m["flash_calls"]

@@ -27,14 +27,7 @@ def _targets():
     )
 
 
-@pytest.fixture
-def restore():
-    yield
-    vlmcp_patch.enable(cp_size=1)
-    vlmcp_patch.apply()
-
-
-def test_apply_twice_is_a_noop(restore):
+def test_apply_twice_is_a_noop(reapply):
     vlmcp_patch.apply()
     before = _targets()
     vlmcp_patch.apply()
@@ -44,7 +37,7 @@ def test_apply_twice_is_a_noop(restore):
     assert installed == expected
 
 
-def test_revert_restores_the_exact_originals(restore):
+def test_revert_restores_the_exact_originals(reapply):
     vlmcp_patch.revert()
     originals = _targets()
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -124,7 +117,7 @@ def test_missing_registry_entry_is_drift():
         bad.check()
 
 
-def test_a_drifted_set_changes_nothing(restore):
+def test_a_drifted_set_changes_nothing(reapply):
     vlmcp_patch.revert()
     before = _targets()
     good = Patch(target=CLASS_FORWARD, wrapper=_noop, reason="test")
@@ -189,7 +182,8 @@ REFUSED_TRL = """
           all(s["applied"] for s in status if s["requires"] is None))
     from datasets import Dataset
     from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
-    data = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}])
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    data = Dataset.from_list([{"messages": chat}])
     from vlmcp_patch.fixtures.processor import tiny_processor
     try:
         SFTTrainer(model=build_model(tiny_qwen3_vl_config()), train_dataset=data, processing_class=tiny_processor(),
@@ -252,7 +246,7 @@ def test_vlmcp_disable_turns_the_package_off():
     assert _run(control, VLMCP_DISABLE="", VLMCP_CP_SIZE="2") == "True 2"  # the same import, not disabled
 
 
-def test_reverted_package_reports_p1(restore):
+def test_reverted_package_reports_p1(reapply):
     vlmcp_patch.enable(cp_size=2)
     assert vlmcp_patch.cp_size() == 2
     vlmcp_patch.revert()
@@ -299,7 +293,7 @@ def _reloaded_cp_forward(rank, world_size):
 
 
 def test_a_reloaded_package_still_runs_cp():
-    from tests.harness import run_distributed
+    from tests.helpers.harness import run_distributed
 
     for declared, after_reload, cp_loss, p1_loss in run_distributed(_reloaded_cp_forward, 2, timeout=120):
         assert declared == after_reload  # one record per target, not two

@@ -10,7 +10,6 @@ really is sharded there (their weights differ), so the CP parity is not trivial.
 
 from __future__ import annotations
 
-import functools
 import json
 import tempfile
 from pathlib import Path
@@ -18,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import ROOT, launch, weight_error
+from tests.helpers.harness import ROOT, launch
+from vlmcp_patch.fixtures.compare import state_dict_error
 
 SCRIPT = ROOT / "examples" / "hf_trainer_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
@@ -59,14 +59,13 @@ class Run:
         return [e for e in self.steps if "eval_loss" in e]
 
 
-@functools.cache
 def p1(model: str) -> Run:
     """The P=1 reference of every two-process comparison (with a checkpoint after step 2)."""
     return _launch(f"p1-{model}", 1, 1, model, ["--save-steps", "2"])
 
 
 def assert_trains_like(run: Run, reference: Run, cp_size: int = 2, dp_size: int = 1, clipped: bool = True) -> None:
-    assert weight_error(run.weights, reference.weights) <= 1e-4
+    assert state_dict_error(run.weights, reference.weights) <= 1e-4
     assert len(run.train) == len(reference.train) == 3
     for a, b in zip(reference.train, run.train):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
@@ -85,19 +84,20 @@ def assert_trains_like(run: Run, reference: Run, cp_size: int = 2, dp_size: int 
 
 
 @pytest.mark.parametrize("model,launcher", [(VL, "torchrun"), (Q35, "accelerate")])
-def test_ddp_cp2_equals_p1(model, launcher):
+def test_ddp_cp2_equals_p1(model, launcher, once):
     run = _launch(f"ddp-cp2-{model}", 2, 2, model, launcher=launcher)
     assert run.wrapper == "DDP"
-    assert_trains_like(run, p1(model))
+    assert_trains_like(run, once(p1, model))
     # The Trainer's own counts: 3 steps x accumulation 2 x batch 2 samples, and the same tokens, as at P=1.
-    samples = [r.summary["train_samples_per_second"] * r.summary["train_runtime"] for r in (run, p1(model))]
+    samples = [r.summary["train_samples_per_second"] * r.summary["train_runtime"] for r in (run, once(p1, model))]
     assert [round(s) for s in samples] == [12, 12]
-    assert [e["num_input_tokens_seen"] for e in run.train] == [e["num_input_tokens_seen"] for e in p1(model).train]
+    seen = [[e["num_input_tokens_seen"] for e in r.train] for r in (run, once(p1, model))]
+    assert seen[0] == seen[1]
 
 
-def test_stock_ddp_on_two_processes_shards_the_data():
+def test_stock_ddp_on_two_processes_shards_the_data(once):
     run = _launch("ddp-stock", 2, 1, VL)
-    assert run.wrapper == "DDP" and weight_error(run.weights, p1(VL).weights) > 1e-2
+    assert run.wrapper == "DDP" and state_dict_error(run.weights, once(p1, VL).weights) > 1e-2
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -106,12 +106,12 @@ def test_stock_ddp_on_two_processes_shards_the_data():
 
 
 @pytest.mark.parametrize("model,stage,switch", [(VL, 3, "env"), (VL, 2, "sp"), (Q35, 2, "env"), (Q35, 3, "sp")])
-def test_deepspeed_cp2_equals_p1(model, stage, switch):
+def test_deepspeed_cp2_equals_p1(model, stage, switch, once):
     pytest.importorskip("deepspeed")
     cp_size, extra = (2, []) if switch == "env" else (1, ["--sp-size", "2"])
     run = _launch(f"ds{stage}-{switch}-{model}", 2, cp_size, model, [*_deepspeed(stage), *extra])
     assert run.wrapper == f"DeepSpeed ZeRO-{stage}"
-    assert_trains_like(run, p1(model))
+    assert_trains_like(run, once(p1, model))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def test_deepspeed_cp2_equals_p1(model, stage, switch):
 
 
 @pytest.mark.parametrize("model,route", [(VL, "fsdp_config"), (Q35, "parallelism_config"), (VL, "accelerate_launch")])
-def test_fsdp2_cp2_equals_p1(model, route):
+def test_fsdp2_cp2_equals_p1(model, route, once):
     extra, cp_size, launcher = {
         "fsdp_config": (["--fsdp"], 2, None),
         "parallelism_config": (["--fsdp", "--cp-size", "2", "--activation-checkpointing"], 1, None),
@@ -129,10 +129,10 @@ def test_fsdp2_cp2_equals_p1(model, route):
     }[route]
     run = _launch(f"fsdp-{route}-{model}", 2, cp_size, model, extra, launcher=launcher)
     assert run.wrapper == "FSDP2"
-    assert_trains_like(run, p1(model))
+    assert_trains_like(run, once(p1, model))
 
 
-def test_fsdp2_lora_with_a_frozen_vision_tower_cp2_equals_p1():
+def test_fsdp2_lora_with_a_frozen_vision_tower_cp2_equals_p1(once):
     """PEFT LoRA on the text attention, vision tower frozen, FSDP2 and CP=2: only the adapters train, as at P=1."""
     reference = _launch("p1-lora", 1, 1, VL, ["--lora"])
     run = _launch("fsdp-lora", 2, 2, VL, ["--fsdp", "--lora"])
@@ -143,12 +143,12 @@ def test_fsdp2_lora_with_a_frozen_vision_tower_cp2_equals_p1():
     assert not changed, changed  # the frozen weights stayed as they were
 
 
-def test_stock_fsdp2_on_two_processes_shards_the_data():
+def test_stock_fsdp2_on_two_processes_shards_the_data(once):
     run = _launch("fsdp-stock", 2, 1, VL, ["--fsdp"])
-    assert run.wrapper == "FSDP2" and weight_error(run.weights, p1(VL).weights) > 1e-2
+    assert run.wrapper == "FSDP2" and state_dict_error(run.weights, once(p1, VL).weights) > 1e-2
 
 
-def test_fsdp2_checkpoints_under_cp_load_as_p1_and_resume_exactly():
+def test_fsdp2_checkpoints_under_cp_load_as_p1_and_resume_exactly(once):
     """FSDP2 + CP=2: a FULL_STATE_DICT checkpoint loads with stock `from_pretrained` and holds the P=1 weights
     after the same steps; a SHARDED_STATE_DICT (DCP) checkpoint resumes under CP exactly as the P=1 run goes on."""
     from transformers import Qwen3VLForConditionalGeneration
@@ -162,13 +162,13 @@ def test_fsdp2_checkpoints_under_cp_load_as_p1_and_resume_exactly():
     vlmcp_patch.revert()
     try:
         load = Qwen3VLForConditionalGeneration.from_pretrained
-        saved, reference = (load(run.output / "checkpoint-2").state_dict() for run in (full, p1(VL)))
+        saved, reference = (load(run.output / "checkpoint-2").state_dict() for run in (full, once(p1, VL)))
     finally:
         vlmcp_patch.apply()
-    assert weight_error(saved, reference) <= 1e-4
+    assert state_dict_error(saved, reference) <= 1e-4
     assert [e["step"] for e in resumed.train] == [1, 2, 3]  # steps 1-2 from the checkpoint's trainer state
-    assert abs(resumed.train[2]["loss"] - p1(VL).train[2]["loss"]) <= 1e-5 * abs(p1(VL).train[2]["loss"])
-    assert weight_error(resumed.weights, p1(VL).weights) <= 1e-4
+    assert abs(resumed.train[2]["loss"] - once(p1, VL).train[2]["loss"]) <= 1e-5 * abs(once(p1, VL).train[2]["loss"])
+    assert state_dict_error(resumed.weights, once(p1, VL).weights) <= 1e-4
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -179,24 +179,23 @@ def test_fsdp2_checkpoints_under_cp_load_as_p1_and_resume_exactly():
 OFFICIAL = ["official-padded", "official-flattened"]
 
 
-@functools.cache
 def p1_official(data_format: str) -> Run:
     return _launch(f"p1-{data_format}", 1, 1, VL, ["--data-format", data_format])
 
 
 @pytest.mark.parametrize("wrapper", ["DDP", "DeepSpeed ZeRO-3"])
 @pytest.mark.parametrize("data_format", OFFICIAL)
-def test_the_official_scripts_batches_train_at_cp2_as_one_process(data_format, wrapper):
+def test_the_official_scripts_batches_train_at_cp2_as_one_process(data_format, wrapper, once):
     extra = ["--data-format", data_format, *(_deepspeed(3) if wrapper.startswith("DeepSpeed") else [])]
     run = _launch(f"official-{data_format}-{wrapper[-1]}", 2, 2, VL, extra)
     assert run.wrapper == wrapper
-    assert_trains_like(run, p1_official(data_format), clipped=False)
+    assert_trains_like(run, once(p1_official, data_format), clipped=False)
 
 
-def test_the_official_scripts_padded_batches_at_p1_are_stock_bit_for_bit():
+def test_the_official_scripts_padded_batches_at_p1_are_stock_bit_for_bit(once):
     stock = _launch("stock-official-padded", 1, 1, VL, ["--data-format", "official-padded"],
                     env={"VLMCP_DISABLE": "1"})
-    ours = p1_official("official-padded")
+    ours = once(p1_official, "official-padded")
     assert all(torch.equal(ours.weights[k], stock.weights[k]) for k in stock.weights)
     assert [e["loss"] for e in ours.train] == [e["loss"] for e in stock.train]
     assert ours.patched and not stock.patched  # the package really ran in one and not in the other
@@ -211,7 +210,6 @@ def test_the_official_scripts_padded_batches_at_p1_are_stock_bit_for_bit():
 REPLICA = ["--batch-size", "1", "--eval-samples", "12"]
 
 
-@functools.cache
 def one_process_of_two_replicas() -> Run:
     return _launch("replicas-p1", 1, 1, VL, [*REPLICA, "--grad-accum", "4"])
 
@@ -228,13 +226,13 @@ WRAPPERS = {
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
-def test_cp2_dp2_mixed_modality_trains_and_evaluates_like_one_process(wrapper):
+def test_cp2_dp2_mixed_modality_trains_and_evaluates_like_one_process(wrapper, once):
     if wrapper.startswith("zero"):
         pytest.importorskip("deepspeed")
     extra, wrapped_by = WRAPPERS[wrapper]
     run = _launch(f"replicas-{wrapper}", 4, 2, VL, [*REPLICA, "--grad-accum", "2", *extra])
     assert run.wrapper == wrapped_by
-    reference = one_process_of_two_replicas()
+    reference = once(one_process_of_two_replicas)
     assert sum(e.get("cp_vision_placeholder_passes", 0) for e in run.train) > 0, "no mixed-modality step ran"
     assert_trains_like(run, reference, dp_size=2, clipped=False)
     (ev1,), (ev4,) = reference.evaluation, run.evaluation
@@ -245,13 +243,13 @@ def test_cp2_dp2_mixed_modality_trains_and_evaluates_like_one_process(wrapper):
     assert abs(ev1["eval_accuracy"] - ev4["eval_accuracy"]) <= one_token
 
 
-def test_matched_vision_passes_at_p1_on_request():
+def test_matched_vision_passes_at_p1_on_request(once):
     """At P=1 the package leaves DDP alone unless asked: with VLMCP_MATCH_VISION_PASSES=1 two stock DDP replicas
     (no find_unused_parameters) with mixed micro-batches train like one process, where stock DDP fails."""
     extra = [*REPLICA, "--grad-accum", "2", *WRAPPERS["ddp"][0]]
     run = _launch("p1-dp2-matched", 2, 1, VL, extra, env={"VLMCP_MATCH_VISION_PASSES": "1"})
     assert run.wrapper == "DDP"
-    assert weight_error(run.weights, one_process_of_two_replicas().weights) <= 1e-4
+    assert state_dict_error(run.weights, once(one_process_of_two_replicas).weights) <= 1e-4
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -261,7 +259,7 @@ def test_matched_vision_passes_at_p1_on_request():
 def test_an_unsupported_model_under_cp_is_refused_before_the_first_step():
     """A model the package does not run under CP would train on P copies of each batch with P times the
     gradient: the Trainer integration refuses it when the Trainer is built."""
-    out = launch(ROOT / "tests" / "unsupported_trainer_script.py", procs=2, env={"VLMCP_CP_SIZE": "2"})
+    out = launch(ROOT / "tests" / "helpers" / "unsupported_trainer_script.py", procs=2, env={"VLMCP_CP_SIZE": "2"})
     assert out.returncode != 0
     assert "UnsupportedSetupError" in out.stderr and "Qwen3ForCausalLM is not supported under CP" in out.stderr
     assert "'loss'" not in out.stdout  # no training step was logged
@@ -269,7 +267,7 @@ def test_an_unsupported_model_under_cp_is_refused_before_the_first_step():
 
 def test_callback_rejects_bad_setups_before_training():
     import vlmcp_patch
-    from tests.error_cases import SCENARIOS
+    from tests.helpers.error_cases import SCENARIOS
     from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
 
     vlmcp_patch.enable(cp_size=2)

@@ -13,14 +13,15 @@ entropy and token accuracy itself — see vlmcp_patch/integrations/trl.py.
 
 from __future__ import annotations
 
-import functools
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness import ROOT, launch, weight_error
+from tests.helpers.harness import ROOT, launch
+from vlmcp_patch.fixtures.compare import state_dict_error
 
 SCRIPT = ROOT / "examples" / "trl_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
@@ -38,16 +39,18 @@ def _launch(tmp: Path, name: str, procs: int, cp_size: int, extra=()) -> tuple[d
     return torch.load(tmp / f"{name}.pt"), [e for e in entries if "loss" in e], wrapper
 
 
-@functools.cache
-def runs(tmp: str):
-    tmp = Path(tmp)
-    return {"p1": _launch(tmp, "p1", 1, 1), "cp2": _launch(tmp, "cp2", 2, 2), "ddp2": _launch(tmp, "ddp2", 2, 1),
-            "fsdp-cp2": _launch(tmp, "fsdp-cp2", 2, 2, ["--fsdp"])}
+RUNS = {"p1": (1, 1, ()), "cp2": (2, 2, ()), "ddp2": (2, 1, ()), "fsdp-cp2": (2, 2, ("--fsdp",))}
+
+
+def sft_run(name: str):
+    """(trained weights, per-step logs, what wrapped the model) of one launch of RUNS."""
+    procs, cp_size, extra = RUNS[name]
+    return _launch(Path(tempfile.mkdtemp(prefix=f"trl-{name}-")), name, procs, cp_size, extra)
 
 
 def _assert_same_training(run, reference):
     (w1, log1, _), (w2, log2, _) = reference, run
-    assert weight_error(w2, w1) <= 1e-4
+    assert state_dict_error(w2, w1) <= 1e-4
     assert len(log1) == len(log2) == 3
     for a, b in zip(log1, log2):
         for key in ("loss", "entropy", "mean_token_accuracy"):
@@ -60,21 +63,19 @@ def _assert_same_training(run, reference):
 
 
 @pytest.mark.parametrize("wrapper", ["DDP", "FSDP2"])
-def test_sft_trainer_cp2_equals_p1(wrapper, tmp_path_factory):
+def test_sft_trainer_cp2_equals_p1(wrapper, once):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    r = runs(str(tmp_path_factory.getbasetemp() / "trl"))
-    run = r["cp2" if wrapper == "DDP" else "fsdp-cp2"]
+    run = once(sft_run, "cp2" if wrapper == "DDP" else "fsdp-cp2")
     assert run[2] == wrapper
-    _assert_same_training(run, r["p1"])
+    _assert_same_training(run, once(sft_run, "p1"))
 
 
-def test_stock_sft_trainer_on_two_processes_shards_the_data(tmp_path_factory):
+def test_stock_sft_trainer_on_two_processes_shards_the_data(once):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    r = runs(str(tmp_path_factory.getbasetemp() / "trl"))
-    (w1, log1, _), (wd, logd, _) = r["p1"], r["ddp2"]
-    assert weight_error(wd, w1) > 1e-2, "stock DDP on two processes did not shard the data"
+    (w1, log1, _), (wd, logd, _) = once(sft_run, "p1"), once(sft_run, "ddp2")
+    assert state_dict_error(wd, w1) > 1e-2, "stock DDP on two processes did not shard the data"
     # The control's token count covers both replicas' batches: twice P=1's micro-batches per step.
     assert logd[0]["num_tokens"] != log1[0]["num_tokens"]
 

@@ -11,7 +11,6 @@ processes (with matched vision passes, without which they hang).
 
 from __future__ import annotations
 
-import functools
 import json
 import tempfile
 from pathlib import Path
@@ -19,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import ROOT, launch, weight_error
+from tests.helpers.harness import ROOT, launch
+from vlmcp_patch.fixtures.compare import state_dict_error
 
 GRPO, DPO = ROOT / "examples" / "trl_grpo.py", ROOT / "examples" / "trl_dpo.py"
 COMMON = ["--optim", "sgd", "--lr", "0.05"]
@@ -49,7 +49,6 @@ def _launch(script: Path, name: str, procs: int, cp_size: int, extra=(), env=Non
     return Run(folder, procs)
 
 
-@functools.cache
 def run(script: str, name: str, procs: int, cp_size: int, extra: tuple = (), env: tuple = ()) -> Run:
     return _launch(ROOT / "examples" / script, name, procs, cp_size, extra, dict(env))
 
@@ -60,7 +59,7 @@ def close(a: float, b: float) -> bool:
 
 
 def assert_trains_like(candidate: Run, reference: Run) -> None:
-    assert weight_error(candidate.weights, reference.weights) <= 1e-5
+    assert state_dict_error(candidate.weights, reference.weights) <= 1e-5
     assert len(candidate.steps) == len(reference.steps) > 0
     for a, b in zip(reference.steps, candidate.steps):
         metrics = {k for k, v in a.items() if isinstance(v, (int, float)) and k not in IGNORED}
@@ -87,38 +86,40 @@ PREFERENCE = {
 
 
 @pytest.mark.parametrize("case", [*RL, *PREFERENCE])
-def test_cp2_trains_like_one_process(case):
+def test_cp2_trains_like_one_process(case, once):
     pytest.importorskip("trl")
     script, extra = {**RL, **PREFERENCE}[case]
-    reference, candidate = run(script, f"{case}-p1", 1, 1, extra), run(script, f"{case}-cp2", 2, 2, extra)
+    reference = once(run, script, f"{case}-p1", 1, 1, extra)
+    candidate = once(run, script, f"{case}-cp2", 2, 2, extra)
     assert candidate.wrapper == "DDP"
     assert_trains_like(candidate, reference)
 
 
 @pytest.mark.parametrize("case", list(RL))
-def test_every_rank_of_the_group_scored_the_one_process_completions(case):
+def test_every_rank_of_the_group_scored_the_one_process_completions(case, once):
     pytest.importorskip("trl")
     script, extra = RL[case]
-    reference, candidate = run(script, f"{case}-p1", 1, 1, extra), run(script, f"{case}-cp2", 2, 2, extra)
+    reference = once(run, script, f"{case}-p1", 1, 1, extra)
+    candidate = once(run, script, f"{case}-cp2", 2, 2, extra)
     assert len(candidate.completions) == 2 and candidate.completions[0] == candidate.completions[1]
     assert candidate.completions[0] == reference.completions[0] and reference.completions[0]
 
 
-def test_stock_grpo_on_two_processes_shards_the_prompts():
+def test_stock_grpo_on_two_processes_shards_the_prompts(once):
     pytest.importorskip("trl")
     script, extra = RL["grpo-qwen3-vl"]
-    control = run(script, "grpo-ddp2", 2, 1, extra)
-    reference = run(script, "grpo-qwen3-vl-p1", 1, 1, extra)
-    assert weight_error(control.weights, reference.weights) > 1e-2
+    control = once(run, script, "grpo-ddp2", 2, 1, extra)
+    reference = once(run, script, "grpo-qwen3-vl-p1", 1, 1, extra)
+    assert state_dict_error(control.weights, reference.weights) > 1e-2
     assert control.completions[0] != control.completions[1]  # each process drew for its own prompts
 
 
-def test_preference_trainers_split_each_row_over_the_group():
+def test_preference_trainers_split_each_row_over_the_group(once):
     """DPO's and KTO's per-pair mean makes replicas equal one process: here each rank's decoder saw half the row."""
     pytest.importorskip("trl")
     for case in PREFERENCE:
         script, extra = PREFERENCE[case]
-        for step in run(script, f"{case}-cp2", 2, 2, extra).steps:
+        for step in once(run, script, f"{case}-cp2", 2, 2, extra).steps:
             assert 0 < step["cp_tokens_per_rank"] and step["cp_padding"] < 0.5
 
 
@@ -128,13 +129,14 @@ MIXED = ["--text-only-replica", "1", "--batch-size", "2"]
 @pytest.mark.parametrize("wrapper,flags", [("DeepSpeed ZeRO-3", ("--deepspeed", str(ROOT / "examples" /
                                                                                   "ds_trainer_zero3.json"))),
                                            ("FSDP2", ("--fsdp",))])
-def test_cp2_dp2_grpo_with_a_text_only_replica(wrapper, flags):
+def test_cp2_dp2_grpo_with_a_text_only_replica(wrapper, flags, once):
     pytest.importorskip("trl")
     extra = (*MIXED, *flags)
-    reference = run("trl_grpo.py", f"mixed-dp2-{wrapper[-1]}", 2, 1, extra, (("VLMCP_MATCH_VISION_PASSES", "1"),))
-    candidate = run("trl_grpo.py", f"mixed-cp2dp2-{wrapper[-1]}", 4, 2, extra)
+    matched = (("VLMCP_MATCH_VISION_PASSES", "1"),)
+    reference = once(run, "trl_grpo.py", f"mixed-dp2-{wrapper[-1]}", 2, 1, extra, matched)
+    candidate = once(run, "trl_grpo.py", f"mixed-cp2dp2-{wrapper[-1]}", 4, 2, extra)
     assert reference.wrapper == candidate.wrapper == wrapper
-    assert weight_error(candidate.weights, reference.weights) <= 1e-5
+    assert state_dict_error(candidate.weights, reference.weights) <= 1e-5
     for a, b in zip(reference.steps, candidate.steps):
         assert close(a["loss"], b["loss"]) and close(a["grad_norm"], b["grad_norm"])
         assert a["num_tokens"] == b["num_tokens"] and b["cp_data_parallel_size"] == 2
@@ -142,10 +144,9 @@ def test_cp2_dp2_grpo_with_a_text_only_replica(wrapper, flags):
     assert candidate.completions[0] == candidate.completions[1] != candidate.completions[2] == candidate.completions[3]
 
 
-STANDIN = ROOT / "tests" / "vllm_standin_script.py"
+STANDIN = ROOT / "tests" / "helpers" / "vllm_standin_script.py"
 
 
-@functools.cache
 def vllm_run(mode: str, procs: int, cp_size: int) -> tuple[Run, list[list[int]]]:
     """A GRPO run whose rollouts go through TRL's vLLM path (server or colocate) with stand-ins for vLLM; and, per
     rank, how many prompts each engine call received."""
@@ -161,12 +162,12 @@ def vllm_run(mode: str, procs: int, cp_size: int) -> tuple[Run, list[list[int]]]
 
 
 @pytest.mark.parametrize("mode", ["server", "colocate"])
-def test_vllm_rollouts_reach_the_engine_once_per_group(mode):
+def test_vllm_rollouts_reach_the_engine_once_per_group(mode, once):
     """TRL's vLLM rollouts under CP=2 (the engine and its client replaced by in-process stand-ins): the engine gets
     one copy of each prompt per CP group — as many as from one process — and every rank of the group trains on
     the same completions, the one-process ones."""
     pytest.importorskip("trl")
-    (reference, reference_calls), (candidate, calls) = vllm_run(mode, 1, 1), vllm_run(mode, 2, 2)
+    (reference, reference_calls), (candidate, calls) = once(vllm_run, mode, 1, 1), once(vllm_run, mode, 2, 2)
     assert calls == reference_calls and len(calls) == 1  # one rank's engine (server: the main process'; colocate:
     # the group's first rank's), the same prompts per call as one process
     assert candidate.completions[0] == candidate.completions[1] == reference.completions[0]
@@ -174,12 +175,12 @@ def test_vllm_rollouts_reach_the_engine_once_per_group(mode):
     assert any(step["grad_norm"] > 0.1 for step in reference.steps)  # the rollouts really train
 
 
-def test_split_rollouts_generate_each_rank_its_share():
+def test_split_rollouts_generate_each_rank_its_share(once):
     """With VLMCP_SPLIT_ROLLOUTS=1 the ranks of a group generate different rows of the group's rollout (other draws
     than one process: documented) and then all train on the same completions."""
     pytest.importorskip("trl")
-    reference = run("trl_grpo.py", "grpo-plain-p1", 1, 1)
-    split = run("trl_grpo.py", "grpo-split-cp2", 2, 2, (), (("VLMCP_SPLIT_ROLLOUTS", "1"),))
+    reference = once(run, "trl_grpo.py", "grpo-plain-p1", 1, 1)
+    split = once(run, "trl_grpo.py", "grpo-split-cp2", 2, 2, (), (("VLMCP_SPLIT_ROLLOUTS", "1"),))
     assert split.completions[0] == split.completions[1] != reference.completions[0]
     first_prompt = split.completions[0][0]
     assert first_prompt[0] != first_prompt[1]  # the two generations of a prompt came from two ranks' streams

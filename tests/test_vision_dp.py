@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from tests.harness import run_distributed
+from tests.helpers.harness import run_distributed
 
 
 def gather_backward(rank: int, world_size: int) -> dict:
@@ -70,8 +68,7 @@ def one_image_in_bf16(rank: int, world_size: int) -> dict:
     }
 
 
-@functools.cache
-def bf16_results():
+def bf16_run():
     return run_distributed(one_image_in_bf16, 2, timeout=300)
 
 
@@ -81,8 +78,8 @@ def test_gather_backward_sums_every_ranks_gradient_into_the_owner_block():
         assert res["grad_ok"]
 
 
-def test_a_rank_without_images_runs_a_zero_gradient_placeholder_in_the_models_dtype():
-    rank0, rank1 = bf16_results()
+def test_a_rank_without_images_runs_a_zero_gradient_placeholder_in_the_models_dtype(once):
+    rank0, rank1 = once(bf16_run)
     assert rank0["patches"] > 0 and rank1["patches"] == 0
     assert rank1["all_present"] and rank1["dtypes"] == {"torch.bfloat16"} and rank1["all_zero"]
     assert not rank0["all_zero"]

@@ -19,6 +19,7 @@ from .distributed import (  # noqa: E402
     disabled,
     gather_sequence,
     get_cp_group,
+    sum_over_cp_group,
 )
 from .errors import CPInputError, PatchTargetError, UnsupportedSetupError, VLMCPError  # noqa: E402
 from .forward.generate import GENERATE_PATCH  # noqa: E402
@@ -100,6 +101,7 @@ __all__ = [
     "get_cp_group",
     "revert",
     "status",
+    "sum_over_cp_group",
     "supported_class_names",
     "token_log_probs",
 ]

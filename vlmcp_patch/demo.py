@@ -35,16 +35,6 @@ def synthetic_batches(steps: int, seed: int):
     return [make_batch(layouts[i % len(layouts)], seed=seed + i) for i in range(steps)]
 
 
-def sum_gradients_over_cp_group(model) -> None:
-    """Each rank holds the gradient of its slice; the step needs their sum (the P=1 gradient)."""
-    cp = vlmcp_patch.get_cp_group()
-    if cp is None:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=cp.group)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -72,7 +62,7 @@ def main(argv=None) -> None:
         loss = model(**batch).loss
         facts = STATS.drain()  # what this rank's slice computed
         loss.backward()
-        sum_gradients_over_cp_group(model)
+        vlmcp_patch.sum_over_cp_group(p.grad for p in model.parameters())  # each rank held its slice's share
         opt.step()
         opt.zero_grad()
 

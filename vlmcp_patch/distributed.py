@@ -180,6 +180,18 @@ def gathered_when_run(module: torch.nn.Module) -> bool:
     return any(is_partitioned(p) for p in module.parameters()) or sharded_by_fsdp2(module)
 
 
+def sum_over_cp_group(tensors, group=None) -> None:
+    """All-reduce (sum) each tensor in place over the CP `group` (default: this rank's group in effect; a no-op
+    with CP off). A raw training loop calls it on the parameters' gradients after backward: each rank holds its
+    slice's share, their sum is the P=1 gradient (the training integrations reduce gradients themselves)."""
+    group = group if group is not None else getattr(get_cp_group(), "group", None)
+    if group is None:
+        return
+    for tensor in tensors:
+        if tensor is not None:
+            dist.all_reduce(tensor, group=group)
+
+
 def gather_sequence(tensor: torch.Tensor, dim: int = 1, length: int | None = None, cp: CPGroup | None = None):
     """Gather a sequence-sharded tensor (e.g. a hidden state of this rank's slice) over the CP group `cp`
     (default: this rank's group in effect).

@@ -165,7 +165,8 @@ class PropertyPatch:
         if _is_ours(raw):
             return lambda: None
         wrapper = self.wrapper
-        setattr(parent, name, _OurProperty(lambda instance: wrapper(raw.fget, instance), raw.fset, raw.fdel, raw.__doc__))
+        getter = lambda instance: wrapper(raw.fget, instance)  # noqa: E731
+        setattr(parent, name, _OurProperty(getter, raw.fset, raw.fdel, raw.__doc__))
         return lambda: setattr(parent, name, raw)
 
 

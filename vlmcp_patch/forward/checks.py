@@ -351,7 +351,8 @@ def _packed_row_starts(call: dict, seq: int) -> torch.Tensor:
 
 
 def _starts_of_cumulative(cu: torch.Tensor, seq: int, name: str) -> torch.Tensor:
-    if not (cu.ndim == 1 and cu.numel() >= 2 and int(cu[0]) == 0 and int(cu[-1]) == seq and bool((cu.diff() > 0).all())):
+    cumulative = cu.ndim == 1 and cu.numel() >= 2 and int(cu[0]) == 0 and int(cu[-1]) == seq
+    if not (cumulative and bool((cu.diff() > 0).all())):
         _reject(f"{name} {cu.tolist()} must be the cumulative sample lengths [0, l1, l1 + l2, ..., {seq}] of the row "
                 f"({seq} tokens)")
     starts = torch.zeros(1, seq, dtype=torch.bool, device=cu.device)
@@ -397,9 +398,9 @@ def _plan_ordinary_batch(model, call: dict, shape: tuple[int, int]) -> BatchPlan
     restarts = None if real is not None or text is None else _stock_restarts(model, call, text, shape[0])
     if restarts is not None:
         if deltanet:
-            _reject("position_ids restart inside a row of this batch: stock splits attention there but runs the DeltaNet "
-                    "layers across the restarts; pass the samples as one packed row (every layer then restarts at each "
-                    "sample), or as padded rows with an attention_mask")
+            _reject("position_ids restart inside a row of this batch: stock splits attention there but runs the "
+                    "DeltaNet layers across the restarts; pass the samples as one packed row (every layer then "
+                    "restarts at each sample), or as padded rows with an attention_mask")
         starts |= restarts.to(device)
     positions = call.get("position_ids")
     positions = stock_positions(model, call) if positions is None else positions.expand(*positions.shape[:-2], *shape)

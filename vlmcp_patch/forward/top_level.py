@@ -93,7 +93,8 @@ def _build_output(cls: type, backbone_out, **fields):
 
 @dataclasses.dataclass
 class TokenLogProbsOutput(ModelOutput):
-    """Per-token log-probabilities of the targets and entropies, (batch, seq) fp32 each (`vlmcp_patch.token_log_probs`)."""
+    """Per-token log-probabilities of the targets and entropies, (batch, seq) fp32 each
+    (`vlmcp_patch.token_log_probs`)."""
 
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None

@@ -11,7 +11,7 @@ Adding a family means adding one module here:
    and the vision tower; add the patches of any layer the family re-implements under CP, each with the pinned
    digest of the upstream source and the releases it was checked on;
 3. list the module in `FAMILY_MODULES` below, and give it tiny configs in `vlmcp_patch.fixtures.models` and
-   cases in `tests/cases.py`.
+   cases in `tests/helpers/cases.py`.
 """
 
 from __future__ import annotations

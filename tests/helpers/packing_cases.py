@@ -48,9 +48,9 @@ def _alone_reference(model, alone: list[dict]):
 
 def run_packing_cases(rank: int, world_size: int, families: list[str], cu_seq_lens: bool = False) -> dict:
     import vlmcp_patch
-    from tests.cases import crosses_shard_edge, vision_slice_exchanges
-    from vlmcp_patch.fixtures.probes import CollectiveProbe
+    from tests.helpers.cases import crosses_shard_edge, vision_slice_exchanges
     from vlmcp_patch.fixtures.compare import gradient_errors, rel_err, summed_over_group
+    from vlmcp_patch.fixtures.probes import CollectiveProbe
 
     results = {}
     for family in families:

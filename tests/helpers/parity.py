@@ -8,7 +8,6 @@ gradients *summed over its CP group* against the reference.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from vlmcp_patch.fixtures.compare import gradient_errors, rel_err, summed_over_group
 from vlmcp_patch.fixtures.probes import CollectiveProbe

@@ -1,6 +1,6 @@
 """A CP run in which rank 1 fails after a normal step, while rank 0 goes on into the CP collectives.
 
-    torchrun --nproc-per-node 2 tests/fault_script.py {raise | exit | kill | hang}
+    torchrun --nproc-per-node 2 tests/helpers/fault_script.py {raise | exit | kill | hang}
 
 The process group is created with a 10-second timeout; the CP groups must inherit it (a hung rank then
 ends the job in seconds, not after the backend's 30-minute default).

@@ -166,7 +166,7 @@ def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list
     """Parity metrics of each named case; with attn='flash_attention_2' through the CPU stand-in kernel."""
     import vlmcp_patch
     from tests import flash_standin
-    from tests.parity import compare
+    from tests.helpers.parity import compare
 
     if attn == "flash_attention_2":
         flash_standin.install()

@@ -21,9 +21,9 @@ def _layer(num_k: int, num_v: int):
 
 def run_layer_cases(rank: int, world_size: int) -> dict:
     import vlmcp_patch
-    from vlmcp_patch.fixtures.probes import CollectiveProbe
     from vlmcp_patch.context import CPContext
     from vlmcp_patch.fixtures.compare import rel_err, summed_over_group
+    from vlmcp_patch.fixtures.probes import CollectiveProbe
     from vlmcp_patch.layout import segments_from_lengths
     from vlmcp_patch.models.qwen3_5 import _HeadShare
 

@@ -22,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _launcher(kind: str, procs: int) -> list[str]:
@@ -50,9 +50,9 @@ def _launcher(kind: str, procs: int) -> list[str]:
 def launch(script: str | Path, args=(), *, procs: int = 1, launcher: str = "torchrun", env: dict | None = None,
            timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `script ARGS` on `procs` processes under `launcher` (python, torchrun, accelerate, accelerate_fsdp2,
-    deepspeed) from the repository root, through tests/run_script.py (no interpreter finalization at exit);
+    deepspeed) from the repository root, through tests/helpers/run_script.py (no interpreter finalization at exit);
     bounded in time."""
-    cmd = [*_launcher(launcher, procs), "tests.run_script", str(script), *map(str, args)]
+    cmd = [*_launcher(launcher, procs), "tests.helpers.run_script", str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     # A session of its own: on timeout the launcher *and* its ranks are killed, so no orphaned rank keeps
     # its port and a CPU busy for the tests that follow.
@@ -65,13 +65,6 @@ def launch(script: str | Path, args=(), *, procs: int = 1, launcher: str = "torc
             stdout, stderr = proc.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
-def weight_error(a: dict, b: dict) -> float:
-    """Worst relative difference (max |a-b| / max |b|) over the floating-point tensors of two state dicts."""
-    return max(
-        float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b if b[k].is_floating_point()
-    )
 
 
 def _entry(fn, rank, world_size, port, results, args, env, timeout):

@@ -1,6 +1,6 @@
 """Run a script as `python script.py ARGS` would, then end the process without interpreter finalization.
 
-    python -m tests.run_script examples/hf_trainer_sft.py ARGS        (under any launcher, with its -m option)
+    python -m tests.helpers.run_script examples/hf_trainer_sft.py ARGS        (under any launcher, with its -m option)
 
 The tests launch the examples through this. A gloo worker thread that drops the last reference to a
 tensor while the interpreter shuts down aborts the process ("terminate called without an active

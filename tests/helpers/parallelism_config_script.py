@@ -1,6 +1,6 @@
 """A plain Accelerate script with Accelerate's own switches for sequence / context parallelism.
 
-    torchrun --nproc-per-node 2 tests/parallelism_config_script.py MODE OUT.json
+    torchrun --nproc-per-node 2 tests/helpers/parallelism_config_script.py MODE OUT.json
 
 MODE: `qwen3.5` (DeepSpeed, ParallelismConfig(sp_backend="deepspeed", sp_size=2)), `qwen3-next` (the same
 for a model the package does not handle: accelerate's refusal stays), `loader-first` (the data loader

@@ -1,7 +1,8 @@
 """examples/trl_grpo.py with TRL's vLLM rollouts (`--vllm-mode server|colocate`), vLLM replaced by in-process stand-ins
 that record the prompts reaching the engine: the plumbing of vLLM rollouts under CP, on CPU.
 
-    VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 -m tests.run_script tests/vllm_standin_script.py --vllm-mode server ...
+    VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 -m tests.helpers.run_script tests/helpers/vllm_standin_script.py \
+        --vllm-mode server ...
 
 The stand-ins answer deterministically from the prompt's token ids (so one process and every CP layout draw the
 same completions), with the log-probability of a uniform draw over the tiny vocabulary for every token.
@@ -79,7 +80,8 @@ class StandInLLM:
         lp = SimpleNamespace(rank=1, logprob=-4.85)
         # one completion per request: a prompt's copies in the batch get different ones
         drawn = [_completion(p, i % 2, sampling_params.max_tokens) for i, p in enumerate(ids)]
-        return [SimpleNamespace(prompt_token_ids=p, outputs=[SimpleNamespace(token_ids=c, logprobs=[{t: lp} for t in c])])
+        return [SimpleNamespace(prompt_token_ids=p,
+                                outputs=[SimpleNamespace(token_ids=c, logprobs=[{t: lp} for t in c])])
                 for p, c in zip(ids, drawn)]
 
     def reset_prefix_cache(self):
@@ -109,7 +111,8 @@ def _sync_without_engine(sync):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "examples"))
     install()
     import trl_grpo
 
