@@ -53,7 +53,7 @@ def measure(rank: int, world_size: int, model_name: str, tokens: int) -> dict:
         model(input_ids=ids, labels=ids).loss.backward()
     element = next(model.parameters()).element_size()
     padded = round_up(tokens, world_size)
-    gathered = probe.bytes["all_gather"] + probe.bytes["all_gather_into_tensor"]
+    gathered = sum(probe.bytes[name] for name in ("all_gather", "all_gather_into_tensor", "all_gather_single"))
     return {"all_to_all_single": probe.bytes["all_to_all_single"] / element / padded,
             "all_gather": gathered / element / padded}
 

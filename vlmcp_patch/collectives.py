@@ -51,7 +51,8 @@ def _all_gather_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tens
     all_gather_into_tensor."""
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((size * front.shape[0], *front.shape[1:]))
-    dist.all_gather_into_tensor(out, front, group=group)
+    # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, front, group=group)
     return out.movedim(0, dim)
 
 
