@@ -150,6 +150,37 @@ def describe_wrapper(wrapped, model) -> str:
     return "none"
 
 
+def report_run(trainer, save_weights: str | None, save_logs: str | None, logs: list[dict], line) -> None:
+    """The end of an example: every rank gathers the weights when they are to be saved (ZeRO-3 / FSDP2 need all),
+    rank 0 prints `line(entry)` for each logged entry and what wrapped the model, and saves the logs (with that
+    and whether the package was installed) and the weights when asked."""
+    import json
+    import os
+
+    import vlmcp_patch
+
+    state = full_state_dict(trainer.model, trainer.accelerator) if save_weights else None
+    wrapper = describe_wrapper(trainer.model_wrapped, trainer.model)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    for entry in logs:
+        text = line(entry)
+        if text:
+            print(text)
+    print(f"model wrapped by: {wrapper}")
+    if save_logs:
+        with open(save_logs, "w") as f:
+            json.dump([*logs, {"wrapper": wrapper, "patched": vlmcp_patch.PATCHES.active}], f)
+    if save_weights:
+        torch.save(state, save_weights)
+
+
+def metrics_line(entry: dict) -> str:
+    """One logged step: every number it holds."""
+    return f"step {entry['step']}: " + " ".join(f"{k} {v:.6g}" for k, v in entry.items()
+                                               if isinstance(v, (int, float)) and k != "step")
+
+
 def finish_distributed() -> None:
     """End the process group cleanly: every rank reaches the end before any tears its connections down.
 

@@ -22,7 +22,6 @@ Rank 0 prints the logged loss and grad_norm of every step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -31,10 +30,9 @@ from example_common import (
     DATA_FORMATS,
     TINY,
     data_collator,
-    describe_wrapper,
     finish_distributed,
-    full_state_dict,
     load_model,
+    report_run,
     samples,
     token_accuracy,
     with_lora_and_frozen_vision,
@@ -54,7 +52,7 @@ def parallelism_config(args):
     return None
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-qwen3-vl",
                         help=f"{' | '.join(TINY)} | a checkpoint, e.g. Qwen/Qwen3-VL-2B-Instruct")
@@ -90,15 +88,11 @@ def main(argv=None) -> None:
     parser.add_argument("--cp-size", type=int, default=1,
                         help="instead of VLMCP_CP_SIZE: Accelerate's own switch, ParallelismConfig(cp_size=N) "
                         "(needs FSDP2)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    on_cpu = not torch.cuda.is_available()
-    fsdp = args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"  # flag or accelerate launch
-    sharded = bool(args.deepspeed) or fsdp
-    if sharded and on_cpu:  # accelerate would otherwise run DeepSpeed / FSDP on CPU as plain multi-CPU
-        from vlmcp_patch.fixtures.cpu import configure_cpu_state
 
-        configure_cpu_state("DEEPSPEED" if args.deepspeed else "FSDP")
+def build_model(args):
+    """The model, with LoRA when asked, configured for the run."""
     model = load_model(args.model, args.attn)
     if args.lora:
         model = with_lora_and_frozen_vision(model)
@@ -107,7 +101,11 @@ def main(argv=None) -> None:
     # The evaluation loop gathers every output field but these; transformers 5.24's vision outputs differ in size
     # between replicas with different images, and their gather fails (without CP too).
     model.config.keys_to_ignore_at_inference = ["past_key_values", "cache", "image_outputs", "video_outputs"]
-    training_args = TrainingArguments(
+    return model
+
+
+def training_arguments(args, sharded: bool, on_cpu: bool) -> TrainingArguments:
+    return TrainingArguments(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
@@ -136,11 +134,39 @@ def main(argv=None) -> None:
         dataloader_drop_last=True,
         seed=0,
     )
+
+
+def report(args, trainer) -> None:
+    """Rank 0 prints the logged steps and what wrapped the model, and saves the logs and weights when asked."""
+    logs = [entry for entry in trainer.state.log_history
+            if "loss" in entry or "eval_loss" in entry or "train_samples_per_second" in entry]
+
+    def line(entry):
+        if "eval_loss" in entry:
+            return f"eval: loss {entry['eval_loss']:.6f}"
+        if "train_samples_per_second" not in entry:  # not the run summary
+            return f"step {entry['step']}: loss {entry['loss']:.6f} grad_norm {entry['grad_norm']:.6f}"
+        return None
+
+    report_run(trainer, args.save_weights, args.save_logs, logs, line)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    on_cpu = not torch.cuda.is_available()
+    fsdp = args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"  # flag or accelerate launch
+    sharded = bool(args.deepspeed) or fsdp
+    if sharded and on_cpu:  # accelerate would otherwise run DeepSpeed / FSDP on CPU as plain multi-CPU
+        from vlmcp_patch.fixtures.cpu import configure_cpu_state
+
+        configure_cpu_state("DEEPSPEED" if args.deepspeed else "FSDP")
+    model = build_model(args)
+    training_args = training_arguments(args, sharded, on_cpu)
     if fsdp and on_cpu:
         from vlmcp_patch.fixtures.cpu import configure_cpu_fsdp_state
 
-        args_ = training_args
-        configure_cpu_fsdp_state(args_.fsdp_plugin_args, args_.parallelism_config, args_.mixed_precision)
+        configure_cpu_fsdp_state(training_args.fsdp_plugin_args, training_args.parallelism_config,
+                                 training_args.mixed_precision)
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -153,24 +179,7 @@ def main(argv=None) -> None:
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     if args.eval_samples:
         trainer.evaluate()
-    state = full_state_dict(trainer.model, trainer.accelerator) if args.save_weights else None
-    wrapper = describe_wrapper(trainer.model_wrapped, trainer.model)
-    if int(os.environ.get("RANK", "0")) == 0:
-        logs = [entry for entry in trainer.state.log_history
-                if "loss" in entry or "eval_loss" in entry or "train_samples_per_second" in entry]
-        for entry in logs:
-            if "train_samples_per_second" in entry:
-                continue  # the run summary
-            if "eval_loss" in entry:
-                print(f"eval: loss {entry['eval_loss']:.6f}")
-            else:
-                print(f"step {entry['step']}: loss {entry['loss']:.6f} grad_norm {entry['grad_norm']:.6f}")
-        print(f"model wrapped by: {wrapper}")
-        if args.save_logs:
-            with open(args.save_logs, "w") as f:
-                json.dump([*logs, {"wrapper": wrapper, "patched": vlmcp_patch.PATCHES.active}], f)
-        if args.save_weights:
-            torch.save(state, args.save_weights)
+    report(args, trainer)
 
 
 if __name__ == "__main__":

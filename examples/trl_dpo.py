@@ -19,12 +19,11 @@ Rank 0 prints the logged metrics of every step (loss, rewards, margins, accuraci
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 from datasets import Dataset
-from example_common import describe_wrapper, finish_distributed, from_local_checkpoint, full_state_dict, load_model
+from example_common import finish_distributed, from_local_checkpoint, load_model, metrics_line, report_run
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 import vlmcp_patch  # the one line that adds context parallelism
@@ -146,20 +145,8 @@ def policy(args):
 
 
 def report(args, trainer) -> None:
-    state = full_state_dict(trainer.model, trainer.accelerator) if args.save_weights else None
-    wrapper = describe_wrapper(trainer.model_wrapped, trainer.model)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    for entry in logs:
-        print(f"step {entry['step']}: " + " ".join(f"{k} {v:.6g}" for k, v in entry.items()
-                                                   if isinstance(v, (int, float)) and k != "step"))
-    print(f"model wrapped by: {wrapper}")
-    if args.save_logs:
-        with open(args.save_logs, "w") as f:
-            json.dump([*logs, {"wrapper": wrapper, "patched": vlmcp_patch.PATCHES.active}], f)
-    if args.save_weights:
-        torch.save(state, args.save_weights)
+    report_run(trainer, args.save_weights, args.save_logs, logs, metrics_line)
 
 
 def main(argv=None) -> None:

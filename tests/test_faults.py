@@ -20,7 +20,7 @@ def _run(mode: str, launcher: str):
     return out, time.monotonic() - start, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("deepspeed", marks=pytest.mark.extended)])
 def test_a_rank_that_raises_ends_the_job_and_is_named(launcher):
     if launcher == "deepspeed":
         pytest.importorskip("deepspeed")
@@ -35,7 +35,7 @@ def test_a_rank_that_is_killed_ends_the_job_and_is_named():
     assert "local_rank: 1" in text and "Signal 9 (SIGKILL)" in text, text[-3000:]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("deepspeed", marks=pytest.mark.extended)])
 def test_a_hung_rank_ends_the_job_at_the_process_group_timeout(launcher):
     """Rank 0 waits in the CP group's collective; the group inherited the 10 s timeout of the process group."""
     if launcher == "deepspeed":

@@ -9,19 +9,13 @@ import torch
 
 import vlmcp_patch
 from tests.helpers.harness import run_distributed
+from tests.helpers.outcomes import identical, outcome
 from vlmcp_patch.fixtures.data import Segment as S
 from vlmcp_patch.fixtures.data import make_batch
-from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
+from vlmcp_patch.fixtures.models import TINY_CONFIGS, build_model
 from vlmcp_patch.forward.arguments import CACHE_KEYWORDS
 
-MODELS = {
-    "Qwen3VLForConditionalGeneration": lambda: tiny_qwen3_vl_config(),
-    "Qwen3VLMoeForConditionalGeneration": lambda: tiny_qwen3_vl_config(moe=True),
-    "Qwen3_5ForConditionalGeneration": lambda: tiny_qwen3_5_config(),
-    "Qwen3_5MoeForConditionalGeneration": lambda: tiny_qwen3_5_config(moe=True),
-    "Qwen3_5ForCausalLM": lambda: tiny_qwen3_5_config(text_only=True),
-    "Qwen3_5MoeForCausalLM": lambda: tiny_qwen3_5_config(moe=True, text_only=True),
-}
+MODELS = TINY_CONFIGS
 PAIR = [[S(text=4), S(image=(16, 16)), S(text=3)], [S(text=6)]]
 
 
@@ -88,34 +82,14 @@ def inputs_for(name: str, model) -> dict:
     return cases
 
 
-def _outcome(model, batch: dict):
-    model.zero_grad(set_to_none=True)
-    try:
-        out = model(**batch)
-    except Exception as exc:  # noqa: BLE001 - compared with stock's
-        return ("error", type(exc).__name__, str(exc))
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return ("ok", out.loss.detach(), out.logits.detach(), grads)
-
-
-def _identical(a, b) -> bool:
-    if a[0] != b[0]:
-        return False
-    if a[0] == "error":
-        return a[1:] == b[1:]
-    return torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and a[3].keys() == b[3].keys() and all(
-        torch.equal(a[3][n], b[3][n]) for n in a[3])
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_p1_is_bit_identical_to_stock_for_stock_valid_inputs(name, reapply):
     model = build_model(MODELS[name](), seed=3)
     cases = inputs_for(name, model)
-    ours = {case: _outcome(model, batch) for case, batch in cases.items()}
+    ours = {case: outcome(model, batch) for case, batch in cases.items()}
     vlmcp_patch.revert()
-    stock = {case: _outcome(model, batch) for case, batch in cases.items()}
-    differing = [case for case in cases if not _identical(ours[case], stock[case])]
+    stock = {case: outcome(model, batch) for case, batch in cases.items()}
+    differing = [case for case in cases if not identical(ours[case], stock[case])]
     assert not differing, differing
     rejected = {case for case, outcome in stock.items() if outcome[0] == "error"}
     expected = {"stock_error_image_tokens"} & cases.keys()  # the one malformed input, by design

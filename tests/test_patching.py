@@ -134,7 +134,8 @@ def test_a_transformers_older_than_the_tested_releases_is_refused():
         check_transformers_version(version)  # newer releases are decided by their patch targets, not refused
 
 
-@pytest.mark.parametrize("version,warnings", [(transformers.__version__, 0), ("5.25.0", 1), ("5.25.0.dev0", 1)])
+@pytest.mark.parametrize("version,warnings", [(transformers.__version__, 0), ("5.25.0.dev0", 1),
+                                              pytest.param("5.25.0", 1, marks=pytest.mark.extended)])
 def test_an_untested_newer_transformers_imports_with_one_warning(version, warnings):
     code = f"""
         import warnings, transformers

@@ -23,6 +23,7 @@ from vlmcp_patch.fixtures.compare import state_dict_error
 SCRIPT = ROOT / "examples" / "hf_trainer_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
 VL, Q35 = "tiny-qwen3-vl", "tiny-qwen3.5"
+EXTENDED = pytest.mark.extended
 
 
 def _deepspeed(stage: int) -> list:
@@ -105,7 +106,9 @@ def test_stock_ddp_on_two_processes_shards_the_data(once):
 # which stock accelerate refuses for Qwen3.5 (DeltaNet layers) and runs wrongly for Qwen3-VL.
 
 
-@pytest.mark.parametrize("model,stage,switch", [(VL, 3, "env"), (VL, 2, "sp"), (Q35, 2, "env"), (Q35, 3, "sp")])
+@pytest.mark.parametrize("model,stage,switch", [
+    (VL, 3, "env"), (Q35, 3, "sp"),
+    pytest.param(VL, 2, "sp", marks=EXTENDED), pytest.param(Q35, 2, "env", marks=EXTENDED)])
 def test_deepspeed_cp2_equals_p1(model, stage, switch, once):
     pytest.importorskip("deepspeed")
     cp_size, extra = (2, []) if switch == "env" else (1, ["--sp-size", "2"])
@@ -120,7 +123,8 @@ def test_deepspeed_cp2_equals_p1(model, stage, switch, once):
 # and image tokens do not match") and refuses for Qwen3.5.
 
 
-@pytest.mark.parametrize("model,route", [(VL, "fsdp_config"), (Q35, "parallelism_config"), (VL, "accelerate_launch")])
+@pytest.mark.parametrize("model,route", [(VL, "fsdp_config"), (Q35, "parallelism_config"),
+                                         pytest.param(VL, "accelerate_launch", marks=EXTENDED)])
 def test_fsdp2_cp2_equals_p1(model, route, once):
     extra, cp_size, launcher = {
         "fsdp_config": (["--fsdp"], 2, None),
@@ -143,6 +147,7 @@ def test_fsdp2_lora_with_a_frozen_vision_tower_cp2_equals_p1(once):
     assert not changed, changed  # the frozen weights stayed as they were
 
 
+@EXTENDED  # the same sampler as the DDP control above
 def test_stock_fsdp2_on_two_processes_shards_the_data(once):
     run = _launch("fsdp-stock", 2, 1, VL, ["--fsdp"])
     assert run.wrapper == "FSDP2" and state_dict_error(run.weights, once(p1, VL).weights) > 1e-2
@@ -183,8 +188,10 @@ def p1_official(data_format: str) -> Run:
     return _launch(f"p1-{data_format}", 1, 1, VL, ["--data-format", data_format])
 
 
-@pytest.mark.parametrize("wrapper", ["DDP", "DeepSpeed ZeRO-3"])
-@pytest.mark.parametrize("data_format", OFFICIAL)
+@pytest.mark.parametrize("data_format,wrapper", [
+    ("official-flattened", "DDP"), ("official-padded", "DeepSpeed ZeRO-3"),
+    pytest.param("official-padded", "DDP", marks=EXTENDED), pytest.param("official-flattened", "DeepSpeed ZeRO-3",
+                                                                          marks=EXTENDED)])
 def test_the_official_scripts_batches_train_at_cp2_as_one_process(data_format, wrapper, once):
     extra = ["--data-format", data_format, *(_deepspeed(3) if wrapper.startswith("DeepSpeed") else [])]
     run = _launch(f"official-{data_format}-{wrapper[-1]}", 2, 2, VL, extra)
@@ -225,7 +232,8 @@ WRAPPERS = {
 }
 
 
-@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+@pytest.mark.parametrize("wrapper", [
+    "ddp", "zero3", "fsdp2", *(pytest.param(w, marks=EXTENDED) for w in ("ddp_find_unused", "zero1", "zero2"))])
 def test_cp2_dp2_mixed_modality_trains_and_evaluates_like_one_process(wrapper, once):
     if wrapper.startswith("zero"):
         pytest.importorskip("deepspeed")

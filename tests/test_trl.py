@@ -80,6 +80,7 @@ def test_stock_sft_trainer_on_two_processes_shards_the_data(once):
     assert logd[0]["num_tokens"] != log1[0]["num_tokens"]
 
 
+@pytest.mark.extended
 def test_sft_trainer_cp2_bf16_mixed_precision(tmp_path):
     """bf16 is SFTConfig's default on GPUs: Accelerate's autocast then rebinds `model.forward.__func__`, and the
     CP forward must survive that (a proxy around TRL's method would be dropped and the backbone call fail)."""

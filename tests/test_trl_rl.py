@@ -85,7 +85,15 @@ PREFERENCE = {
 }
 
 
-@pytest.mark.parametrize("case", [*RL, *PREFERENCE])
+# Run with `-m extended` (README: How the tests prove it).
+EXTENDED = {"grpo-qwen3.5", "dpo-qwen3-vl", "dpo-precomputed"}
+
+
+def cases(table: dict) -> list:
+    return [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c for c in table]
+
+
+@pytest.mark.parametrize("case", cases({**RL, **PREFERENCE}))
 def test_cp2_trains_like_one_process(case, once):
     pytest.importorskip("trl")
     script, extra = {**RL, **PREFERENCE}[case]
@@ -95,7 +103,7 @@ def test_cp2_trains_like_one_process(case, once):
     assert_trains_like(candidate, reference)
 
 
-@pytest.mark.parametrize("case", list(RL))
+@pytest.mark.parametrize("case", cases(RL))
 def test_every_rank_of_the_group_scored_the_one_process_completions(case, once):
     pytest.importorskip("trl")
     script, extra = RL[case]
@@ -117,7 +125,7 @@ def test_stock_grpo_on_two_processes_shards_the_prompts(once):
 def test_preference_trainers_split_each_row_over_the_group(once):
     """DPO's and KTO's per-pair mean makes replicas equal one process: here each rank's decoder saw half the row."""
     pytest.importorskip("trl")
-    for case in PREFERENCE:
+    for case in set(PREFERENCE) - EXTENDED:
         script, extra = PREFERENCE[case]
         for step in once(run, script, f"{case}-cp2", 2, 2, extra).steps:
             assert 0 < step["cp_tokens_per_rank"] and step["cp_padding"] < 0.5
@@ -128,7 +136,7 @@ MIXED = ["--text-only-replica", "1", "--batch-size", "2"]
 
 @pytest.mark.parametrize("wrapper,flags", [("DeepSpeed ZeRO-3", ("--deepspeed", str(ROOT / "examples" /
                                                                                   "ds_trainer_zero3.json"))),
-                                           ("FSDP2", ("--fsdp",))])
+                                           pytest.param("FSDP2", ("--fsdp",), marks=pytest.mark.extended)])
 def test_cp2_dp2_grpo_with_a_text_only_replica(wrapper, flags, once):
     pytest.importorskip("trl")
     extra = (*MIXED, *flags)
@@ -161,7 +169,7 @@ def vllm_run(mode: str, procs: int, cp_size: int) -> tuple[Run, list[list[int]]]
     return Run(folder, procs), calls
 
 
-@pytest.mark.parametrize("mode", ["server", "colocate"])
+@pytest.mark.parametrize("mode", ["server", pytest.param("colocate", marks=pytest.mark.extended)])
 def test_vllm_rollouts_reach_the_engine_once_per_group(mode, once):
     """TRL's vLLM rollouts under CP=2 (the engine and its client replaced by in-process stand-ins): the engine gets
     one copy of each prompt per CP group — as many as from one process — and every rank of the group trains on
@@ -179,8 +187,9 @@ def test_split_rollouts_generate_each_rank_its_share(once):
     """With VLMCP_SPLIT_ROLLOUTS=1 the ranks of a group generate different rows of the group's rollout (other draws
     than one process: documented) and then all train on the same completions."""
     pytest.importorskip("trl")
-    reference = once(run, "trl_grpo.py", "grpo-plain-p1", 1, 1)
-    split = once(run, "trl_grpo.py", "grpo-split-cp2", 2, 2, (), (("VLMCP_SPLIT_ROLLOUTS", "1"),))
+    script, extra = RL["grpo-qwen3-vl"]
+    reference = once(run, script, "grpo-qwen3-vl-p1", 1, 1, extra)
+    split = once(run, script, "grpo-split-cp2", 2, 2, extra, (("VLMCP_SPLIT_ROLLOUTS", "1"),))
     assert split.completions[0] == split.completions[1] != reference.completions[0]
     first_prompt = split.completions[0][0]
     assert first_prompt[0] != first_prompt[1]  # the two generations of a prompt came from two ranks' streams

@@ -58,13 +58,22 @@ def one_image_in_bf16(rank: int, world_size: int) -> dict:
     finally:
         vlmcp_patch.apply()
     reference = [p.grad.float() for p in model.model.visual.parameters()]
-    worst = max(rel_err(a, b) for a, b in zip(summed, reference))
+    # bf16's own rounding, as the scale: stock bf16 against stock fp32 of the same weights
+    model.zero_grad(set_to_none=True)
+    model.float()
+    vlmcp_patch.revert()
+    try:
+        model(**{**batch, "pixel_values": batch["pixel_values"].float()}).loss.backward()
+    finally:
+        vlmcp_patch.apply()
+    exact = [p.grad for p in model.model.visual.parameters()]
     return {
         "patches": STATS.vision_patches,
         "all_present": all(g is not None for g in grads),
         "dtypes": {str(g.dtype) for g in grads},
         "all_zero": all(bool((g == 0).all()) for g in grads),
-        "summed_vs_p1": worst,
+        "cp_vs_fp32": max(rel_err(a, b) for a, b in zip(summed, exact)),
+        "stock_vs_fp32": max(rel_err(a, b) for a, b in zip(reference, exact)),
     }
 
 
@@ -83,4 +92,6 @@ def test_a_rank_without_images_runs_a_zero_gradient_placeholder_in_the_models_dt
     assert rank0["patches"] > 0 and rank1["patches"] == 0
     assert rank1["all_present"] and rank1["dtypes"] == {"torch.bfloat16"} and rank1["all_zero"]
     assert not rank0["all_zero"]
-    assert rank0["summed_vs_p1"] <= 2e-2  # bf16: the same vision gradient as P=1 up to rounding
+    # The same vision gradient as P=1 up to bf16 rounding: no further from fp32 than stock bf16 is, give or take
+    # its own rounding (a missing or doubled contribution would be off by the whole gradient).
+    assert rank0["cp_vs_fp32"] <= 2 * rank0["stock_vs_fp32"]

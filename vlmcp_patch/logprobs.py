@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from .flags import TOKEN_LOG_PROBS, scoped
+from .forward.checks import is_packed_row, text_positions
+from .layout import starts_of
 from .loss import IGNORE_INDEX, shifted_labels
 
 
@@ -33,8 +35,8 @@ def token_log_probs(model, *, targets: torch.Tensor | None = None, temperature: 
 
 
 def next_tokens(inputs: dict) -> torch.Tensor:
-    """The default targets: each position's next input token; none at the last position, and none where the
-    position or its next token is padding (a 2D `attention_mask`)."""
+    """The default targets: each position's next input token; none at the last position, none where the position
+    or its next token is padding (a 2D `attention_mask`), and none across the samples of a packed row."""
     ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
     if ids is None:
         raise ValueError("token_log_probs needs `targets` when the inputs have no input_ids")
@@ -42,4 +44,12 @@ def next_tokens(inputs: dict) -> torch.Tensor:
     if mask is not None and mask.ndim == 2:
         real = mask.bool()
         targets = targets.masked_fill(~real | ~shifted_labels(real.long()).bool(), IGNORE_INDEX)
+    if is_packed_row(inputs):
+        starts = text_positions(inputs)
+        starts = starts_of(starts) if starts is not None else torch.zeros_like(ids, dtype=torch.bool)
+        for name in ("attention_mask", "cu_seq_lens_q"):
+            cu = inputs.get(name)
+            if cu is not None and cu.ndim == 1:
+                starts[0, cu[1:-1].long()] = True
+        targets[:, :-1] = targets[:, :-1].masked_fill(starts[:, 1:], IGNORE_INDEX)
     return targets

@@ -165,7 +165,7 @@ def with_lora_and_frozen_vision(model):
 def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list[str], attn: str = "sdpa") -> dict:
     """Parity metrics of each named case; with attn='flash_attention_2' through the CPU stand-in kernel."""
     import vlmcp_patch
-    from tests import flash_standin
+    from tests.helpers import flash_standin
     from tests.helpers.parity import compare
 
     if attn == "flash_attention_2":

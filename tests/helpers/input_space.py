@@ -18,19 +18,13 @@ import itertools
 
 import torch
 
+from tests.helpers.outcomes import identical, outcome
 from vlmcp_patch.fixtures.compare import gradient_errors, rel_err, summed_over_group
 from vlmcp_patch.fixtures.data import Segment as S
 from vlmcp_patch.fixtures.data import make_batch
-from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
+from vlmcp_patch.fixtures.models import TINY_CONFIGS, build_model
 
-CLASSES = {
-    "Qwen3VLForConditionalGeneration": lambda: tiny_qwen3_vl_config(),
-    "Qwen3VLMoeForConditionalGeneration": lambda: tiny_qwen3_vl_config(moe=True),
-    "Qwen3_5ForConditionalGeneration": lambda: tiny_qwen3_5_config(),
-    "Qwen3_5MoeForConditionalGeneration": lambda: tiny_qwen3_5_config(moe=True),
-    "Qwen3_5ForCausalLM": lambda: tiny_qwen3_5_config(text_only=True),
-    "Qwen3_5MoeForCausalLM": lambda: tiny_qwen3_5_config(moe=True, text_only=True),
-}
+CLASSES = TINY_CONFIGS
 TOKENS = ("ids", "embeds")
 MASKS = ("none", "right", "left", "ones", "holes")
 POSITIONS = ("none", "2d", "3d", "4d")
@@ -110,28 +104,6 @@ def refused_by_design(name: str, mask: str) -> bool:
     return name.startswith("Qwen3_5") and mask == "holes"
 
 
-def _outcome(model, batch: dict):
-    model.zero_grad(set_to_none=True)
-    if hasattr(model, "model") and hasattr(model.model, "rope_deltas"):
-        model.model.rope_deltas = None  # stock keeps mRoPE state across calls: start each run from the same one
-    try:
-        out = model(**batch)
-    except Exception as exc:  # noqa: BLE001 - compared with stock's
-        return ("error", type(exc).__name__, str(exc))
-    out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return ("ok", out.loss.detach(), out.logits.detach(), grads)
-
-
-def _identical(a, b) -> bool:
-    if a[0] != b[0]:
-        return False
-    if a[0] == "error":
-        return a[1:] == b[1:]
-    return torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and a[3].keys() == b[3].keys() and all(
-        torch.equal(a[3][n], b[3][n]) for n in a[3])
-
-
 def _cp_errors(cp, stock, batch: dict, group) -> dict:
     real = batch.get("attention_mask")
     logits = [x if real is None else x * real[..., None].to(x.dtype) for x in (cp[2], stock[2])]
@@ -153,14 +125,14 @@ def run_input_space(rank: int, world_size: int, names: list[str]) -> dict:
         for index, combo in enumerate(combinations(name)):
             batch = batch_for(model, multimodal, *combo)
             vlmcp_patch.revert()
-            stock = _outcome(model, batch)
+            stock = outcome(model, batch)
             vlmcp_patch.apply()
             entry = {"stock": stock[0], "stock_error": stock[1] if stock[0] == "error" else None, "p1_identical": None}
             if index % world_size == rank:  # each rank checks the P=1 rule for its share of the combinations
-                entry["p1_identical"] = _identical(_outcome(model, batch), stock)
+                entry["p1_identical"] = identical(outcome(model, batch), stock)
             vlmcp_patch.enable(cp_size=world_size, gather_logits_with_labels=True)
             try:
-                cp = _outcome(model, batch)
+                cp = outcome(model, batch)
             finally:
                 vlmcp_patch.enable(cp_size=1, gather_logits_with_labels=False)
             entry["cp"] = cp[0] if cp[0] == "error" else "ok"
