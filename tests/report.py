@@ -4,6 +4,7 @@
                                         # one DeltaNet layer
     python -m tests.report --training   # trained weights of every training integration vs one process (TRL's RL
                                         # and preference trainers included)
+    python -m tests.report --rl         # only TRL's RL and preference trainers
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def reinforcement() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--training", action="store_true", help="the training integrations instead of parity")
+    parser.add_argument("--rl", action="store_true", help="only TRL's RL and preference trainers")
     args = parser.parse_args()
-    training() if args.training else parity()
+    reinforcement() if args.rl else training() if args.training else parity()
 
 
 if __name__ == "__main__":

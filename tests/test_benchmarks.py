@@ -22,3 +22,20 @@ def test_padding_free_rows_leave_no_padding_per_rank():
     rows = re.findall(r"\(\s*([\d.]+)%\)\s+\d+ of\s+\d+ \(\s*([\d.]+)%\)", out.stdout)
     assert len(rows) == 6 and max(float(free) for _, free in rows) <= 1.0
     assert max(float(contiguous) for contiguous, _ in rows) > 50  # what contiguous slices of the padding leave
+
+
+def test_speed_dry_run_measures_runs_that_really_split_the_row():
+    """The speed benchmark on the tiny models: every ratio it prints comes from runs that happened, and the CP
+    runs really held 1/P of the row per rank (not a whole row each, as with CP silently off)."""
+    args = ["--dry-run", "--models", "qwen3-vl", "--samples", "text-heavy", "--lengths", "64", "128", "--sizes", "2"]
+    out = launch(ROOT / "benchmarks" / "speed.py", args, launcher="python")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = re.findall(r"^qwen3-vl\s+text-heavy\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
+                      out.stdout, flags=re.MULTILINE)
+    assert len(rows) == 2, out.stdout
+    for row in rows:  # tokens, stock s, P=1 s, P=1 / stock, CP2 s, efficiency: all measured
+        assert all(float(value) > 0 for value in row), row
+    splits = re.findall(r"^split: qwen3-vl text-heavy (\d+) tokens -> CP2 ([\d.]+) per rank", out.stdout,
+                        flags=re.MULTILINE)
+    assert [(int(t), float(s)) for t, s in splits] == [(int(t), int(t) / 2) for t, *_ in rows], out.stdout
+    assert "exponent of step time against length" in out.stdout

@@ -20,7 +20,7 @@ def _run(mode: str, launcher: str):
     return out, time.monotonic() - start, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("deepspeed", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_a_rank_that_raises_ends_the_job_and_is_named(launcher):
     if launcher == "deepspeed":
         pytest.importorskip("deepspeed")

@@ -10,28 +10,13 @@ from tests.helpers.harness import run_distributed
 from tests.helpers.input_space import CLASSES, combinations, refused_by_design, run_input_space
 from tests.helpers.parity import TOL
 
-# The MoE classes share every input path with their dense twins (only the MLP differs): the default run checks
-# the dense classes, `-m extended` the MoE ones too.
-MOE = [name for name in CLASSES if "Moe" in name]
-NAMES = [pytest.param(name, marks=pytest.mark.extended) if name in MOE else name for name in CLASSES]
-
 
 @pytest.fixture(scope="module")
-def dense_space():
-    return run_distributed(run_input_space, 2, [name for name in CLASSES if name not in MOE], timeout=900)
+def space():
+    return run_distributed(run_input_space, 2, list(CLASSES), timeout=900)
 
 
-@pytest.fixture(scope="module")
-def moe_space():
-    return run_distributed(run_input_space, 2, MOE, timeout=900)
-
-
-@pytest.fixture
-def space(request, name):
-    return request.getfixturevalue("moe_space" if name in MOE else "dense_space")
-
-
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", list(CLASSES))
 def test_p1_with_the_import_is_stock_bit_for_bit(name, space):
     for combo in combinations(name):
         checked = [res[(name, combo)]["p1_identical"] for res in space]
@@ -39,7 +24,7 @@ def test_p1_with_the_import_is_stock_bit_for_bit(name, space):
         assert checked == [True], (name, combo)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", list(CLASSES))
 def test_cp_equals_stock_wherever_stock_runs(name, space):
     ran = 0
     for combo in combinations(name):
@@ -59,8 +44,8 @@ def test_cp_equals_stock_wherever_stock_runs(name, space):
     assert ran >= len(combinations(name)) // 2, "most of the space must be accepted by stock"
 
 
-def test_the_space_holds_stock_refusals_too(dense_space):
+def test_the_space_holds_stock_refusals_too(space):
     """The space is not just what runs: stock refuses some of it (images without token types and positions), and
     those fail under CP as well (above)."""
-    refused = {combo for (name, combo), entry in dense_space[0].items() if entry["stock"] == "error"}
+    refused = {combo for (name, combo), entry in space[0].items() if entry["stock"] == "error"}
     assert refused and all(combo[3] == "without" for combo in refused)

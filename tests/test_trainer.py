@@ -147,7 +147,6 @@ def test_fsdp2_lora_with_a_frozen_vision_tower_cp2_equals_p1(once):
     assert not changed, changed  # the frozen weights stayed as they were
 
 
-@EXTENDED  # the same sampler as the DDP control above
 def test_stock_fsdp2_on_two_processes_shards_the_data(once):
     run = _launch("fsdp-stock", 2, 1, VL, ["--fsdp"])
     assert run.wrapper == "FSDP2" and state_dict_error(run.weights, once(p1, VL).weights) > 1e-2
@@ -188,10 +187,8 @@ def p1_official(data_format: str) -> Run:
     return _launch(f"p1-{data_format}", 1, 1, VL, ["--data-format", data_format])
 
 
-@pytest.mark.parametrize("data_format,wrapper", [
-    ("official-flattened", "DDP"), ("official-padded", "DeepSpeed ZeRO-3"),
-    pytest.param("official-padded", "DDP", marks=EXTENDED), pytest.param("official-flattened", "DeepSpeed ZeRO-3",
-                                                                          marks=EXTENDED)])
+@pytest.mark.parametrize("wrapper", ["DDP", "DeepSpeed ZeRO-3"])
+@pytest.mark.parametrize("data_format", OFFICIAL)
 def test_the_official_scripts_batches_train_at_cp2_as_one_process(data_format, wrapper, once):
     extra = ["--data-format", data_format, *(_deepspeed(3) if wrapper.startswith("DeepSpeed") else [])]
     run = _launch(f"official-{data_format}-{wrapper[-1]}", 2, 2, VL, extra)
@@ -233,7 +230,7 @@ WRAPPERS = {
 
 
 @pytest.mark.parametrize("wrapper", [
-    "ddp", "zero3", "fsdp2", *(pytest.param(w, marks=EXTENDED) for w in ("ddp_find_unused", "zero1", "zero2"))])
+    "ddp", "zero2", "zero3", "fsdp2", *(pytest.param(w, marks=EXTENDED) for w in ("ddp_find_unused", "zero1"))])
 def test_cp2_dp2_mixed_modality_trains_and_evaluates_like_one_process(wrapper, once):
     if wrapper.startswith("zero"):
         pytest.importorskip("deepspeed")

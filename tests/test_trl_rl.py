@@ -86,7 +86,7 @@ PREFERENCE = {
 
 
 # Run with `-m extended` (README: How the tests prove it).
-EXTENDED = {"grpo-qwen3.5", "dpo-qwen3-vl", "dpo-precomputed"}
+EXTENDED = {"dpo-qwen3-vl", "dpo-precomputed"}
 
 
 def cases(table: dict) -> list:
@@ -136,7 +136,7 @@ MIXED = ["--text-only-replica", "1", "--batch-size", "2"]
 
 @pytest.mark.parametrize("wrapper,flags", [("DeepSpeed ZeRO-3", ("--deepspeed", str(ROOT / "examples" /
                                                                                   "ds_trainer_zero3.json"))),
-                                           pytest.param("FSDP2", ("--fsdp",), marks=pytest.mark.extended)])
+                                           ("FSDP2", ("--fsdp",))])
 def test_cp2_dp2_grpo_with_a_text_only_replica(wrapper, flags, once):
     pytest.importorskip("trl")
     extra = (*MIXED, *flags)
@@ -169,7 +169,7 @@ def vllm_run(mode: str, procs: int, cp_size: int) -> tuple[Run, list[list[int]]]
     return Run(folder, procs), calls
 
 
-@pytest.mark.parametrize("mode", ["server", pytest.param("colocate", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("mode", ["server", "colocate"])
 def test_vllm_rollouts_reach_the_engine_once_per_group(mode, once):
     """TRL's vLLM rollouts under CP=2 (the engine and its client replaced by in-process stand-ins): the engine gets
     one copy of each prompt per CP group — as many as from one process — and every rank of the group trains on

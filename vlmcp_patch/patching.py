@@ -325,6 +325,8 @@ class PatchSet:
                 "requires": _package(p),
                 "mirrors": dict(getattr(p, "mirrors", None) or {}) or None,
                 "checked_on": getattr(p, "checked_on", None),
+                "since": getattr(p, "since", None),
+                "applies_here": applies_here(p),  # False: declared for newer releases than the installed one
             }
             for p in self.patches
         ]

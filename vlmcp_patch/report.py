@@ -50,6 +50,7 @@ def patches(status: list[dict]) -> list[str]:
     lines = []
     for entry in status:
         state = "installed" if entry["applied"] else "REFUSED" if entry["refused"] else (
+            f"for {entry['since']} only" if not entry["applies_here"] else
             f"waiting for `import {entry['requires']}`" if entry["requires"] else "not installed")
         pins = ", ".join(f"{digest} on {versions}" for digest, versions in (entry["mirrors"] or {}).items())
         pinned = f" [source pinned: {pins}]" if pins else ""
