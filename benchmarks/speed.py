@@ -46,10 +46,8 @@ def scaled_layout(sample: str, factor: float) -> list[list[Segment]]:
 
 def packed_row(sample: str, tokens: int, tiny: bool) -> dict:
     if tiny:
-        from vlmcp_patch.fixtures.data import Segment as S
-
-        length = max(8, tokens // 2)
-        return make_packed_batch([[S(text=length // 2), S(image=(16, 16)), S(text=length // 2)]] * 2, seed=0)[0]
+        half = max(8, tokens // 2) // 2
+        return make_packed_batch([[Segment(text=half), Segment(image=(16, 16)), Segment(text=half)]] * 2, seed=0)[0]
     processor = real_image_processor()
     factor = tokens / BASE_TOKENS[sample]
     return make_packed_batch(scaled_layout(sample, factor), seed=0, processor=processor)[0]

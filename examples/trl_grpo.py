@@ -5,7 +5,8 @@
     # the same training with each sequence scored over 2 ranks (rollouts drawn once per CP group)
     VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 examples/trl_grpo.py --save-weights cp2.pt
     # RLOO, Qwen3.5, a reference model (beta > 0), two optimisation passes per rollout
-    VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 examples/trl_grpo.py --trainer rloo --model tiny-qwen3.5 --beta 0.1
+    VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 examples/trl_grpo.py --trainer rloo --model tiny-qwen3.5 --beta 0.1 \
+        --num-iterations 2
 
 The prompts are conversations with pictures (TRL's vision path needs every prompt of a generation batch to
 have one; `--text-only-replica R` gives replica R text-only prompts); the model's own `generate` samples the

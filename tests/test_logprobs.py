@@ -5,6 +5,8 @@ and 4, with a temperature, padding on either side, images, a packed row and Qwen
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -12,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL
+from vlmcp_patch.fixtures.compare import rel_err
 
 CHUNK = 4  # tokens per chunk of the head in these runs
 VOCAB = 131
@@ -120,3 +123,22 @@ def test_token_log_probs_equal_the_formula_on_stock_logits(cp_size, once):
             assert m["shape"] and m["missing"] == [], where
             assert m["log_probs"] <= TOL and m["entropy"] <= TOL and m["grads"] <= TOL, (where, m)
             assert 0 < m["vocabulary_rows"] <= CHUNK, (where, m)  # one chunk of logits at a time, never the row
+
+
+@pytest.mark.parametrize("off", ["disabled", "reverted"])
+def test_token_log_probs_where_stocks_forward_runs(off, reapply):
+    """Inside `vlmcp_patch.disabled()` and with the package reverted the model's own forward runs: the same values
+    from its full logits (the package's chunked head does not take part)."""
+    import vlmcp_patch
+    from vlmcp_patch.fixtures.models import build_model
+    from vlmcp_patch.logprobs import next_tokens, token_log_probs
+
+    config, batch, temperature, _ = _batches()["qwen3_vl left-padded, T=0.7"]
+    model = build_model(config, seed=1)
+    targets = next_tokens(batch)
+    expected = _reference(model, batch, targets, temperature)
+    if off == "reverted":
+        vlmcp_patch.revert()
+    with vlmcp_patch.disabled() if off == "disabled" else contextlib.nullcontext():
+        got = token_log_probs(model, temperature=temperature, **batch)
+    assert rel_err(got.log_probs, expected[0]) <= TOL and rel_err(got.entropy, expected[1]) <= TOL

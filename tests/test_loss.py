@@ -67,6 +67,30 @@ def test_fused_loss_without_gradients_and_with_an_unscaled_backward():
         assert rel_err(a, b) <= 1e-6
 
 
+def test_no_gradient_buffers_under_no_grad_though_the_weights_require_grad():
+    """Evaluation with labels (the Trainer's prediction step): the head's weight requires grad, but no grad mode, so
+    the forward must not allocate its (V, H) fp32 gradient buffer (1.2 GB for Qwen3-VL-2B's head)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.made.append((tuple(out.shape), out.dtype))
+            return out
+
+    hidden, head, labels = _case(n=40, seed=4)
+    shapes = {(tuple(head.weight.shape), torch.float32), (tuple(hidden.shape), torch.float32)}
+    for grad_mode, expected in ((False, set()), (True, shapes)):
+        with torch.set_grad_enabled(grad_mode), Shapes() as probe:
+            head_loss_sum(hidden.requires_grad_(True), head, labels, 8)
+        assert shapes & set(probe.made) == expected, grad_mode
+
+
 def test_a_wrapped_head_is_called_once_and_gives_the_same_loss():
     """A head that is not a bare nn.Linear (PEFT, FSDP2-sharded) is called as a module, once."""
     hidden, head, labels = _case(seed=1)

@@ -7,7 +7,7 @@ every call goes to stock transformers untouched, except a batch in the documente
 
 from __future__ import annotations
 
-from .compat import check_transformers_version, warn_if_untested
+from .compat import UntestedVersionWarning, check_transformers_version, warn_if_untested
 
 check_transformers_version()
 
@@ -89,6 +89,7 @@ __all__ = [
     "CPInputError",
     "PatchTargetError",
     "UnsupportedSetupError",
+    "UntestedVersionWarning",
     "VLMCPError",
     "SETTINGS",
     "apply",

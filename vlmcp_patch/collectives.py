@@ -46,13 +46,18 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size: 
     return _AllToAll.apply(x, scatter_dim, gather_dim, group, size)
 
 
+def _collective(name: str, before_2_13: str):
+    """torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (deprecated there) to the *_single names.
+    Looked up at each call, as torch.distributed's functions are (the collective probes wrap them there)."""
+    return getattr(dist, name, None) or getattr(dist, before_2_13)
+
+
 def _all_gather_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     """Every rank's `x` (the same shape everywhere) concatenated along `dim` in rank order: one
     all_gather_into_tensor."""
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((size * front.shape[0], *front.shape[1:]))
-    # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, front, group=group)
+    _collective("all_gather_single", "all_gather_into_tensor")(out, front, group=group)
     return out.movedim(0, dim)
 
 
@@ -60,8 +65,7 @@ def _reduce_scatter_along(x: torch.Tensor, dim: int, group, size: int) -> torch.
     """This rank's block along `dim` of the sum of every rank's `x` (blocks of equal length): one reduce-scatter."""
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    # torch 2.13 renames reduce_scatter_tensor (deprecated there) to reduce_scatter_single
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, front, group=group)
+    _collective("reduce_scatter_single", "reduce_scatter_tensor")(out, front, group=group)
     return out.movedim(0, dim)
 
 

@@ -3,8 +3,8 @@
 Under CP every batch runs as one packed row of its real tokens: the samples of a packed row, or the rows
 of an ordinary batch back to back with their padding dropped. A `CPContext` knows that row (its
 samples, and where its tokens sit in the caller's batch), the CP group, and how the row is padded to a
-multiple of the CP size and cut into per-rank slices. The top-level forward makes it current for the
-duration of the stock forward (`ctx.running()`); the vision tower reads it there, the text decoder takes
+multiple of the CP size and cut into per-rank slices. The top-level forward makes it current while
+the backbone runs (`ctx.running()`); the vision tower reads it there, the text decoder takes
 it once and hands it down the layers as the `vlmcp_ctx` keyword argument, so that gradient-checkpointing
 recomputation sees the same state as the forward did.
 """

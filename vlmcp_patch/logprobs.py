@@ -16,6 +16,7 @@ import torch
 
 from .flags import TOKEN_LOG_PROBS, scoped
 from .forward.checks import is_packed_row, text_positions
+from .forward.top_level import TokenLogProbsOutput
 from .layout import starts_of
 from .loss import IGNORE_INDEX, shifted_labels
 
@@ -31,7 +32,19 @@ def token_log_probs(model, *, targets: torch.Tensor | None = None, temperature: 
     """
     targets = next_tokens(inputs) if targets is None else targets
     with scoped(TOKEN_LOG_PROBS, float(temperature)):
-        return model(**inputs, shift_labels=targets)
+        out = model(**inputs, shift_labels=targets)
+    if isinstance(out, TokenLogProbsOutput):
+        return out
+    # Stock's forward ran (inside `disabled()`, the package reverted, a model it does not handle): its full logits
+    return _from_logits(out.logits, targets.to(out.logits.device), temperature)
+
+
+def _from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> TokenLogProbsOutput:
+    logp = (logits.float() / temperature).log_softmax(-1)
+    valid = targets != IGNORE_INDEX
+    picked = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    return TokenLogProbsOutput(log_probs=torch.where(valid, picked, 0.0), entropy=torch.where(valid, entropy, 0.0))
 
 
 def next_tokens(inputs: dict) -> torch.Tensor:

@@ -81,8 +81,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk):
-        want = ctx.needs_input_grad
+    def forward(ctx, hidden, weight, bias, labels, chunk, grad_enabled):
+        # needs_input_grad follows requires_grad even under no_grad (evaluation), and the forward itself always
+        # runs without grad mode: the caller's mode comes as `grad_enabled`
+        want = ctx.needs_input_grad if grad_enabled else (False, False, False)
         grad_hidden = torch.empty_like(hidden) if want[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and want[2] else None
@@ -115,7 +117,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 grad = grad.to(dtype) if dtype is not None and grad.dtype != dtype else grad
                 grad = grad if scale is None else grad.mul_(scale.to(grad.dtype))
             out.append(grad)  # the weight's fp32 buffer becomes its .grad in fp32 (no copy)
-        return (*out, None, None)
+        return (*out, None, None, None)
 
 
 def _is_plain_linear(head) -> bool:
@@ -130,7 +132,7 @@ def head_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Ten
     one) is called once on the whole slice, as stock does, and only its fp32 upcast is chunked.
     """
     if _is_plain_linear(head):
-        return _FusedLinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk)
+        return _FusedLinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk, torch.is_grad_enabled())
     logits = head(hidden)
     return sum(
         F.cross_entropy(logits[a:b].float(), labels[a:b], ignore_index=IGNORE_INDEX, reduction="sum")

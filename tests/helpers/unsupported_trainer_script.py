@@ -1,7 +1,7 @@
 """An HF Trainer script whose model the package does not run under CP (a plain Qwen3 causal LM), launched
 with VLMCP_CP_SIZE=2: the Trainer must refuse it when it is built, before any step.
 
-    VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 tests/helpers/unsupported_trainer_script.py
+    VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 -m tests.helpers.run_script tests/helpers/unsupported_trainer_script.py
 """
 
 from __future__ import annotations

@@ -67,6 +67,16 @@ def _reject(message: str, error: type = CPInputError):
     raise _Rejected(Problem(error, message))
 
 
+def _as_stock_computes(compute, *args):
+    """Positions as stock computes them. Stock's own refusal on the way (its ValueError, IndexError or
+    RuntimeError, e.g. images without `mm_token_type_ids`) becomes the batch's Problem: the same type and
+    message on every rank. Errors anywhere else propagate as they are."""
+    try:
+        return compute(*args)
+    except (ValueError, IndexError, RuntimeError) as exc:
+        raise _Rejected(Problem(type(exc), str(exc))) from None
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """How one forward's batch becomes the packed row, decided once by `plan_batch` for `rows.lay_out`.
@@ -378,7 +388,7 @@ def _plan_packed_row(model, call: dict, shape: tuple[int, int]) -> BatchPlan:
     segments = _segments(None, starts)
     positions = call.get("position_ids")
     if positions is None or positions.ndim == 2:
-        positions = per_sample_mrope(getattr(model, "model", None), call, segments, positions)
+        positions = _as_stock_computes(per_sample_mrope, getattr(model, "model", None), call, segments, positions)
     return BatchPlan(real=None, segments=segments, positions=positions, packed=True)
 
 
@@ -403,7 +413,8 @@ def _plan_ordinary_batch(model, call: dict, shape: tuple[int, int]) -> BatchPlan
                     "restarts at each sample), or as padded rows with an attention_mask")
         starts |= restarts.to(device)
     positions = call.get("position_ids")
-    positions = stock_positions(model, call) if positions is None else positions.expand(*positions.shape[:-2], *shape)
+    positions = (_as_stock_computes(stock_positions, model, call) if positions is None
+                 else positions.expand(*positions.shape[:-2], *shape))
     return BatchPlan(real=real, segments=_segments(real, starts), positions=positions, packed=False)
 
 
@@ -418,6 +429,4 @@ def plan_batch(model, call: dict, packed: bool) -> tuple[BatchPlan | None, Probl
         plan = (_plan_packed_row if packed else _plan_ordinary_batch)(model, call, shape)
     except _Rejected as rejected:
         return None, rejected.problem
-    except (ValueError, IndexError, RuntimeError) as exc:  # stock's own refusal while computing positions
-        return None, Problem(type(exc), str(exc))
     return plan, None

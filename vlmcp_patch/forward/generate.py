@@ -45,15 +45,20 @@ def _vision_rows(model, call: dict, rows: slice) -> dict:
     return out
 
 
-def _share_of_rows(model, call: dict, rank: int, size: int) -> tuple[dict, slice]:
-    batch = call["input_ids"].shape[0]
+def _rows_of(rank: int, size: int, batch: int) -> tuple[slice, bool]:
+    """This rank's prompt rows, and whether it keeps them. A rank left without rows (fewer rows than ranks)
+    decodes the last row and drops it: every rank calls generate once (its vision encoding may gather weights)."""
     share = -(-batch // size)
     rows = slice(min(rank * share, batch), min((rank + 1) * share, batch))
+    return (rows, True) if rows.start < rows.stop else (slice(batch - 1, batch), False)
+
+
+def _share_of_rows(model, call: dict, rows: slice) -> dict:
     mine = {k: v for k, v in call.items() if k not in ROW_INPUTS and "pixel" not in k and "grid" not in k}
     mine.update({k: call[k][rows] for k in ROW_INPUTS if torch.is_tensor(call.get(k))})
-    if rows.start < rows.stop and hasattr(model.config, "vision_config"):
+    if hasattr(model.config, "vision_config"):
         mine.update(_vision_rows(model, call, rows))
-    return mine, rows
+    return mine
 
 
 def _gathered_rows(sequences: torch.Tensor, pad_token_id: int, group) -> torch.Tensor:
@@ -71,14 +76,18 @@ def split_generate(wrapped, instance, args, kwargs):
     """Each rank of the CP group generates its share of the prompt rows; every rank returns all of them."""
     cp = get_cp_group()
     call = call_arguments(wrapped, args, kwargs)
-    mine, rows = _share_of_rows(instance, call, cp.rank, cp.size)
+    if torch.is_tensor(call.get("inputs")) and call.get("input_ids") is None:
+        call["input_ids"] = call.pop("inputs")  # the prompt given positionally
+    rows, kept = _rows_of(cp.rank, cp.size, call["input_ids"].shape[0])
+    mine = _share_of_rows(instance, call, rows)
     # The ranks of a group share their random state: each draws from its own stream for its rows, and the shared
     # state advances the same on every rank (one draw for the streams' seed).
     seed = int(torch.randint(0, 2**62, (1,)))
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with disabled(), torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed + cp.rank)
-        out = wrapped(**mine) if rows.start < rows.stop else call["input_ids"][:0]
+        out = wrapped(**mine)
+    out = out if kept else out[:0]
     config = call.get("generation_config") or instance.generation_config
     pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
     pad = pad[0] if isinstance(pad, (list, tuple)) else pad

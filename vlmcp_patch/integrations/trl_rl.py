@@ -28,6 +28,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..distributed import cp_running, data_parallel_rank, data_parallel_world_size, get_cp_group
 from ..errors import UnsupportedSetupError
@@ -117,15 +118,29 @@ def _set_random_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _through_cpu(value):
+    """`value` with its tensors on the CPU, and whether each was on an accelerator: a pickled CUDA tensor would
+    unpickle onto the sender's device on every rank."""
+    leaves, spec = tree_flatten(value)
+    on_accelerator = [torch.is_tensor(x) and x.device.type != "cpu" for x in leaves]
+    return tree_unflatten([x.cpu() if moved else x for x, moved in zip(leaves, on_accelerator)], spec), on_accelerator
+
+
+def _onto_this_rank(value, on_accelerator: list[bool]):
+    leaves, spec = tree_flatten(value)
+    device = torch.device("cuda", torch.cuda.current_device()) if any(on_accelerator) else None
+    return tree_unflatten([x.to(device) if moved else x for x, moved in zip(leaves, on_accelerator)], spec)
+
+
 def from_group_leader(value, with_random_state: bool = False):
-    """`value` (any picklable object) as the first rank of this CP group has it, on every rank of the group;
-    with `with_random_state`, that rank's torch random state too."""
+    """`value` (any picklable object) as the first rank of this CP group has it, on every rank of the group (its
+    tensors on this rank's device); with `with_random_state`, that rank's torch random state too."""
     cp = get_cp_group()
-    payload = [value, _random_state() if with_random_state else None]
+    payload = [*_through_cpu(value), _random_state() if with_random_state else None]
     dist.broadcast_object_list(payload, src=dist.get_rank() - cp.rank, group=cp.group)
     if with_random_state:
-        _set_random_state(payload[1])
-    return payload[0]
+        _set_random_state(payload[2])
+    return _onto_this_rank(payload[0], payload[1])
 
 
 def kept_from_group_leader(wrapped, instance, args, kwargs):

@@ -49,7 +49,8 @@ def matching_required(model) -> bool:
     if GENERATING.get():
         # generate() decodes each rank alone (CP bypassed); only FSDP2 still gathers the tower's weights per module
         # there (ZeRO-3 weights are gathered for the whole generation by TRL, DDP's are local)
-        return setting is not False and (setting or SETTINGS.cp_size > 1) and sharded_by_fsdp2(model.visual)
+        # (generate() runs inside `disabled()`: the configured CP size, not cp_requested())
+        return bool(setting or SETTINGS.cp_size > 1) and sharded_by_fsdp2(model.visual)
     if setting is None and not cp_requested():
         return False
     return torch.is_grad_enabled() or gathered_when_run(model.visual)
