@@ -10,9 +10,10 @@ incoming gradient. At most one chunk of fp32 logits is alive at any time.
 
 **Chunk size** (`chunk_tokens`): a chunk's fp32 logits take `LOGITS_PER_HIDDEN` times the memory of the
 slice's hidden states — so the head's working memory shrinks with the slice (as 1/P), like everything else
-per rank — but a chunk holds at least `MIN_CHUNK` tokens (fewer make the head's matmul read the whole weight
-for a handful of rows: memory-bound, and the head's cost would not fall with P) and its fp32 logits at most
-`MAX_CHUNK_BYTES`. `VLMCP_LOSS_CHUNK` sets it by hand.
+per rank, and a rank reads the head's weight about vocabulary / (8 x hidden) times per pass whatever the
+slice's length (9 for Qwen3-VL-2B: each read feeds a matmul of many rows) — but a chunk holds at least
+`MIN_CHUNK` tokens (a handful of rows per weight read would leave the matmul memory-bound) and its fp32 logits
+at most `MAX_CHUNK_BYTES`. `VLMCP_LOSS_CHUNK` sets it by hand.
 
 **Log-probabilities and entropies** (`_ChunkedTokenLogProbs`): per token, log p(target) and the entropy of
 softmax(logits / temperature). Their gradient depends on how the caller uses them, so backward recomputes
@@ -31,7 +32,9 @@ from .context import CPContext
 
 IGNORE_INDEX = -100
 LOGITS_PER_HIDDEN = 8  # a chunk's fp32 logits ~ 8x the slice's hidden states
-MIN_CHUNK = 256  # tokens: the head's matmul compute-bound on CPUs and GPUs
+# tokens: the head's matmul stays compute-bound on CPUs; a larger floor would hold the head's memory constant
+# where slices are short, instead of 1/P (the memory benchmark's rows)
+MIN_CHUNK = 32
 MAX_CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk, at most
 
 
