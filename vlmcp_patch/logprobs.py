@@ -18,7 +18,7 @@ from .flags import TOKEN_LOG_PROBS, scoped
 from .forward.checks import is_packed_row, text_positions
 from .forward.top_level import TokenLogProbsOutput
 from .layout import starts_of
-from .loss import IGNORE_INDEX, shifted_labels
+from .loss import IGNORE_INDEX, log_probs_and_entropy_of_logits, shifted_labels
 
 
 def token_log_probs(model, *, targets: torch.Tensor | None = None, temperature: float = 1.0, **inputs):
@@ -36,15 +36,8 @@ def token_log_probs(model, *, targets: torch.Tensor | None = None, temperature: 
     if isinstance(out, TokenLogProbsOutput):
         return out
     # Stock's forward ran (inside `disabled()`, the package reverted, a model it does not handle): its full logits
-    return _from_logits(out.logits, targets.to(out.logits.device), temperature)
-
-
-def _from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> TokenLogProbsOutput:
-    logp = (logits.float() / temperature).log_softmax(-1)
-    valid = targets != IGNORE_INDEX
-    picked = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    entropy = -(logp.exp() * logp).sum(-1)
-    return TokenLogProbsOutput(log_probs=torch.where(valid, picked, 0.0), entropy=torch.where(valid, entropy, 0.0))
+    log_probs, entropy = log_probs_and_entropy_of_logits(out.logits, targets.to(out.logits.device), temperature)
+    return TokenLogProbsOutput(log_probs=log_probs, entropy=entropy)
 
 
 def next_tokens(inputs: dict) -> torch.Tensor:

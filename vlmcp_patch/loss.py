@@ -233,7 +233,13 @@ def token_log_probs_and_entropy(hidden: torch.Tensor, head: torch.nn.Module, tar
     if _is_plain_linear(head):
         size = chunk or chunk_tokens(hidden.shape[0], hidden.shape[-1], head.out_features)
         return _ChunkedTokenLogProbs.apply(hidden, head.weight, head.bias, targets, float(temperature), size)
-    logp = (head(hidden).float() / temperature).log_softmax(-1)
+    return log_probs_and_entropy_of_logits(head(hidden), targets, temperature)
+
+
+def log_probs_and_entropy_of_logits(logits: torch.Tensor, targets: torch.Tensor,
+                                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same from whole logits (..., V) and targets (...): (...) fp32 each, 0 where the target is IGNORE_INDEX."""
+    logp = (logits.float() / temperature).log_softmax(-1)
     valid = targets != IGNORE_INDEX
-    picked = torch.where(valid, logp.gather(-1, targets.clamp(min=0)[:, None])[:, 0], 0.0)
+    picked = torch.where(valid, logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0], 0.0)
     return picked, torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
