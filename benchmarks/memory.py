@@ -7,9 +7,9 @@ per-token proportions (fewer layers), on a packed row of two samples.
 For each P it prints, for the busiest rank: the bytes autograd saves for backward (saved-tensor hooks;
 parameters left out) and the peak of live tensor bytes during forward + backward (every storage created
 in the step, the parameter gradients left out: they do not depend on P), each as R = P x bytes(rank) /
-bytes(P=1) (ideal 1.0); the vision patches the rank encoded against a perfect split (1.0 = total / P); the
-step's wall-clock (reported, not a target: the machine is shared). P=1 is the package's own path (a packed
-row takes it at P=1 too); stock transformers on the same row is printed beside it. Then every module whose
+bytes(P=1) (ideal 1.0); the vision patches the rank encoded per vision pass against a perfect split (1.0 =
+total / P); the step's wall-clock (reported, not a target: the machine is shared). P=1 is the package's own path
+(a packed row takes it at P=1 too); stock transformers on the same row is printed beside it. Then every module whose
 saved bytes do not shrink with P (P x rank > 1.2 x P=1), with its share.
 """
 
@@ -78,7 +78,9 @@ def measure(rank: int, world_size: int, model_name: str, sample: str, stock: boo
         return loss
 
     _, seconds = timed(step)
-    vision = STATS.vision_patches if STATS.vision_passes else int(batch["image_grid_thw"].prod(-1).sum())
+    # per vision pass: a GRPO step encodes the pictures twice (reference and policy)
+    vision = (STATS.vision_patches // STATS.vision_passes if STATS.vision_passes
+              else int(batch["image_grid_thw"].prod(-1).sum()))
     grads = live.ids_of(p.grad for p in model.parameters())
     return {
         "saved": saved.total,

@@ -124,14 +124,15 @@ def test_nothing_of_vocabulary_size_but_the_weight_is_kept_for_backward():
 
 
 def test_chunk_size_follows_the_slice_with_a_floor_and_a_ceiling():
-    # fp32 logits ~ 8x the slice's hidden states, cut in equal chunks
-    assert chunk_tokens(16384, 2048, 151936) == 1821
-    assert chunk_tokens(8192, 2048, 151936) == 911
-    assert chunk_tokens(1000, 2048, 151936) == 112  # 9 equal chunks: the weight read ~V / 8H times per pass
-    assert chunk_tokens(200, 2048, 151936) == 34 >= MIN_CHUNK  # at least MIN_CHUNK tokens (6 equal chunks) ...
+    # fp32 logits ~ 32x the slice's hidden states, cut in equal chunks
+    assert chunk_tokens(1000, 2048, 151936) == 500  # 2 equal chunks: the weight read ~V / 32H times per pass
+    assert chunk_tokens(1000, 2048, 248320) == 334  # 3 for a larger vocabulary
+    assert chunk_tokens(200, 2048, 151936) == 100  # the same share of a shorter slice: memory as 1/P
+    assert chunk_tokens(50, 2048, 151936) == 50 >= MIN_CHUNK  # at least MIN_CHUNK tokens ...
     assert chunk_tokens(20, 2048, 151936) == 20  # ... or the whole slice
     largest = (1 << 30) // (4 * 151936)  # 1 GiB of fp32 logits
-    assert largest <= chunk_tokens(10**6, 2048, 151936) < 1.01 * largest
+    assert chunk_tokens(8192, 2048, 151936) == 1639 <= largest  # equal chunks within the ceiling
+    assert 0.99 * largest < chunk_tokens(10**6, 2048, 151936) <= largest
     assert chunk_tokens(10, 2048, 151936, configured=512) == 512
 
 

@@ -9,11 +9,14 @@ states and of the weight — three matmuls per chunk, no recompute; backward onl
 incoming gradient. At most one chunk of fp32 logits is alive at any time.
 
 **Chunk size** (`chunk_tokens`): a chunk's fp32 logits take `LOGITS_PER_HIDDEN` times the memory of the
-slice's hidden states — so the head's working memory shrinks with the slice (as 1/P), like everything else
-per rank, and a rank reads the head's weight about vocabulary / (8 x hidden) times per pass whatever the
-slice's length (9 for Qwen3-VL-2B: each read feeds a matmul of many rows) — but a chunk holds at least
-`MIN_CHUNK` tokens (a handful of rows per weight read would leave the matmul memory-bound) and its fp32 logits
-at most `MAX_CHUNK_BYTES`. `VLMCP_LOSS_CHUNK` sets it by hand.
+slice's hidden states, so the head's working memory shrinks with the slice (as 1/P), like everything else per
+rank. The factor is a trade measured with `benchmarks.speed`: each chunk reads the head's weight three times
+(and its fp32 gradient twice) however few rows it has, so many small chunks leave the matmuls memory-bound,
+and that cost stays on every rank whatever P is. At 32, a slice is cut into about vocabulary / (32 x hidden)
+chunks — two for Qwen3-VL-2B, three for Qwen3.5, each holding less than half of stock's fp32 logits (stock also
+keeps their softmax and gradient) — and the fused head runs at stock's speed. A chunk holds at least `MIN_CHUNK`
+tokens (or the whole slice) and its fp32 logits at most `MAX_CHUNK_BYTES`, which bounds the head on long slices.
+`VLMCP_LOSS_CHUNK` sets it by hand.
 
 **Log-probabilities and entropies** (`_ChunkedTokenLogProbs`): per token, log p(target) and the entropy of
 softmax(logits / temperature). Their gradient depends on how the caller uses them, so backward recomputes
@@ -31,9 +34,8 @@ from .collectives import sum_keep_local_grad
 from .context import CPContext
 
 IGNORE_INDEX = -100
-LOGITS_PER_HIDDEN = 8  # a chunk's fp32 logits ~ 8x the slice's hidden states
-# tokens: the head's matmul stays compute-bound on CPUs; a larger floor would hold the head's memory constant
-# where slices are short, instead of 1/P (the memory benchmark's rows)
+LOGITS_PER_HIDDEN = 32  # a chunk's fp32 logits ~ 32x the slice's hidden states (module docstring)
+# tokens; a larger floor would hold the head's memory constant where slices are short, instead of 1/P
 MIN_CHUNK = 32
 MAX_CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk, at most
 
@@ -44,16 +46,17 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_tokens(num_tokens: int, hidden_size: int, vocab_size: int, configured: int = 0) -> int:
-    """Tokens per chunk of the head (module docstring): `configured` when set; else the chunk whose fp32 logits
-    are `LOGITS_PER_HIDDEN` x the slice's hidden states, at least `MIN_CHUNK` tokens (or the whole slice), its
-    logits at most `MAX_CHUNK_BYTES` (up to the rounding below); the slice cut in chunks of equal size of at
-    least that many tokens (a runt would read the whole weight for a few rows)."""
+    """Tokens per chunk of the head (module docstring): `configured` when set; else the slice cut in equal chunks
+    of at least `LOGITS_PER_HIDDEN` x the slice's hidden states of fp32 logits each (a runt would read the whole
+    weight for a few rows) and at least `MIN_CHUNK` tokens (or the whole slice), unless that exceeds
+    `MAX_CHUNK_BYTES`: then equal chunks within it."""
     if configured:
         return configured
     proportional = math.ceil(num_tokens * hidden_size * LOGITS_PER_HIDDEN / vocab_size)
+    size = max(1, proportional, min(num_tokens, MIN_CHUNK))
+    chunk = math.ceil(num_tokens / max(1, num_tokens // size))
     largest = max(1, MAX_CHUNK_BYTES // (4 * vocab_size))
-    size = max(1, min(max(proportional, min(num_tokens, MIN_CHUNK)), largest))
-    return math.ceil(num_tokens / max(1, num_tokens // size))  # equal chunks of at least `size`: no runt chunk
+    return chunk if chunk <= largest else math.ceil(num_tokens / math.ceil(num_tokens / largest))
 
 
 def _chunks(n: int, size: int):
@@ -74,6 +77,17 @@ def _logits_grad_in_place(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     logits[rows, labels[rows]] -= 1
     logits[~valid] = 0
     return loss
+
+
+def _accumulate_head_grads(grad_logits, h, weight, grad_hidden, grad_weight, grad_bias, a: int, b: int) -> None:
+    """Chunk [a, b)'s share of the head's gradients from its logits' gradient (c, V) in the head's dtype: rows a:b
+    of `grad_hidden` (N, H), and added into the fp32 `grad_weight` (V, H) / `grad_bias` (V,); None: not wanted."""
+    if grad_hidden is not None:
+        torch.matmul(grad_logits, weight, out=grad_hidden[a:b])
+    if grad_weight is not None:
+        grad_weight.addmm_(grad_logits.T.float(), h.float())
+    if grad_bias is not None:
+        grad_bias += grad_logits.float().sum(0)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -99,13 +113,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 total += F.cross_entropy(logits, labels[a:b], ignore_index=IGNORE_INDEX, reduction="sum")
                 continue
             total += _logits_grad_in_place(logits, labels[a:b])
-            grad_logits = logits.to(hidden.dtype)
-            if grad_hidden is not None:
-                torch.matmul(grad_logits, weight, out=grad_hidden[a:b])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T.float() if hidden.dtype != torch.float32 else grad_logits.T, h.float())
-            if grad_bias is not None:
-                grad_bias += grad_logits.float().sum(0)
+            _accumulate_head_grads(logits.to(hidden.dtype), h, weight, grad_hidden, grad_weight, grad_bias, a, b)
         ctx.grads = (grad_hidden, grad_weight, grad_bias, weight.dtype, None if bias is None else bias.dtype)
         return total
 
@@ -173,6 +181,10 @@ def sharded_causal_lm_loss(
 # Per-token log-probabilities and entropies
 
 
+def _log_softmax_in_place(z: torch.Tensor) -> torch.Tensor:
+    return z.sub_(torch.logsumexp(z, -1, keepdim=True))
+
+
 def _scaled_logits(h, weight, bias, temperature: float) -> torch.Tensor:
     logits = F.linear(h, weight, bias).float()
     return logits if temperature == 1.0 else logits.div_(temperature)
@@ -187,12 +199,11 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         log_probs = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
         entropy = torch.zeros_like(log_probs)
         for a, b in _chunks(hidden.shape[0], chunk):
-            z = _scaled_logits(hidden[a:b], weight, bias, temperature)
+            logp = _log_softmax_in_place(_scaled_logits(hidden[a:b], weight, bias, temperature))
             valid = targets[a:b] != IGNORE_INDEX
-            logp = z.log_softmax(-1)
             picked = logp.gather(-1, targets[a:b].clamp(min=0)[:, None])[:, 0]
             log_probs[a:b] = torch.where(valid, picked, 0.0)
-            entropy[a:b] = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+            entropy[a:b] = torch.where(valid, -logp.exp().mul_(logp).sum(-1), 0.0)
         ctx.save_for_backward(hidden, weight, bias, targets, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         return log_probs, entropy
@@ -206,21 +217,17 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and want[2] else None
         for a, b in _chunks(hidden.shape[0], ctx.chunk):
             h, y = hidden[a:b], targets[a:b]
-            logp = _scaled_logits(h, weight, bias, ctx.temperature).log_softmax(-1)
-            p = logp.exp()
+            logp = _log_softmax_in_place(_scaled_logits(h, weight, bias, ctx.temperature))
             valid = (y != IGNORE_INDEX).float()
             g_logp = (grad_log_probs[a:b] * valid)[:, None]
             g_ent = (grad_entropy[a:b] * valid)[:, None]
-            # d logp_y / dz = onehot - p;  d H / dz = -p (log p + H)
-            grad_z = -p * (g_logp + g_ent * (logp + entropy[a:b, None]))
+            # d logp_y / dz = onehot - p;  d H / dz = -p (log p + H): written over logp, two (c, V) buffers at most
+            p = logp.exp()
+            grad_z = logp.add_(entropy[a:b, None]).mul_(g_ent).add_(g_logp).mul_(p).neg_()
+            del p
             grad_z.scatter_add_(-1, y.clamp(min=0)[:, None], g_logp)
-            grad_logits = (grad_z / ctx.temperature).to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[a:b] = grad_logits @ weight
-            if grad_weight is not None:
-                grad_weight += (grad_logits.T @ h).float()
-            if grad_bias is not None:
-                grad_bias += grad_logits.float().sum(0)
+            grad_logits = (grad_z if ctx.temperature == 1.0 else grad_z.div_(ctx.temperature)).to(hidden.dtype)
+            _accumulate_head_grads(grad_logits, h, weight, grad_hidden, grad_weight, grad_bias, a, b)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
 
