@@ -13,6 +13,9 @@ agreement. It prints, from that one run:
 
 * package P=1 / stock P=1 — the package's own cost;
 * work-split efficiency, P x (busiest rank's CPU time) / package P=1 CPU time — 1.0 is a perfect split;
+* the machine's own split (`mach`): P stock processes at once, each on a row of 1/P the length, CPU time per token
+  of the busiest / stock P=1's — what the same per-rank sizes and shared cores cost without the package (shorter
+  matmuls run at lower FLOP/s; ranks sharing cores and caches slow each other), to read the efficiency against;
 * the share of the busiest rank's step inside collectives (wall-clock) and inside the batch agreement;
 * tokens per second per rank (CPU time);
 * how each ratio moves as the length doubles, and the exponent of step time against length (log-log slope).
@@ -123,6 +126,9 @@ def run_all(args) -> dict:
                 for size in ("stock", 1, *args.sizes):
                     runs[size] = run_distributed(measure, 1 if size == "stock" else size, name, sample, tokens,
                                                  size == "stock", args.dry_run, args.repeats, timeout=7200)
+                for size in args.sizes:  # the machine's own split: P stock processes at once on 1/P of the row
+                    runs[f"stock/{size}"] = run_distributed(measure, size, name, sample, round(tokens / size), True,
+                                                            args.dry_run, args.repeats, timeout=7200)
                 results[key] = runs
                 print(f"measured {key}", flush=True)
     return results
@@ -130,6 +136,11 @@ def run_all(args) -> dict:
 
 def _busiest(per_rank: list[dict], field: str) -> float:
     return max(r[field] for r in per_rank)
+
+
+def _per_token(per_rank: list[dict]) -> float:
+    """CPU seconds per token of the busiest of independent processes (each on its own row)."""
+    return max(r["cpu"] / r["tokens"] for r in per_rank)
 
 
 def summary_rows(results: dict, sizes: list[int]) -> list[dict]:
@@ -144,6 +155,7 @@ def summary_rows(results: dict, sizes: list[int]) -> list[dict]:
             busiest = _busiest(ranks, "cpu")
             row[f"cp{size}_s"] = busiest
             row[f"cp{size}_efficiency"] = size * busiest / own["cpu"]
+            row[f"cp{size}_machine"] = _per_token(runs[f"stock/{size}"]) / (stock["cpu"] / stock["tokens"])
             row[f"cp{size}_collectives"] = max(r["collectives"] / r["wall"] for r in ranks)
             row[f"cp{size}_agreement"] = max(r["agreement"] / r["wall"] for r in ranks)
             row[f"cp{size}_peak"] = _busiest(ranks, "peak")
@@ -163,13 +175,15 @@ def slope(points: list[tuple[float, float]]) -> float:
 def print_report(rows: list[dict], sizes: list[int]) -> None:
     head = f"{'model':9s} {'sample':12s} {'tokens':>6} {'stock s':>8} {'P=1 s':>7} {'P1/stock':>8}"
     for size in sizes:
-        head += f" {f'CP{size} s':>7} {f'eff{size}':>6} {f'coll{size}':>6} {f'agr{size}':>6} {f'tok/s{size}':>8}"
+        head += (f" {f'CP{size} s':>7} {f'eff{size}':>6} {f'mach{size}':>6} {f'coll{size}':>6} {f'agr{size}':>6}"
+                 f" {f'tok/s{size}':>8}")
     print(head)
     for r in rows:
         line = (f"{r['model']:9s} {r['sample']:12s} {r['tokens']:>6d} {r['stock_s']:>8.2f} {r['p1_s']:>7.2f} "
                 f"{r['p1_over_stock']:>8.3f}")
         for size in sizes:
-            line += (f" {r[f'cp{size}_s']:>7.2f} {r[f'cp{size}_efficiency']:>6.3f} {r[f'cp{size}_collectives']:>6.1%}"
+            line += (f" {r[f'cp{size}_s']:>7.2f} {r[f'cp{size}_efficiency']:>6.3f} {r[f'cp{size}_machine']:>6.3f}"
+                     f" {r[f'cp{size}_collectives']:>6.1%}"
                      f" {r[f'cp{size}_agreement']:>6.2%} {r[f'cp{size}_tokens_per_s']:>8.1f}")
         print(line)
     print("exponent of step time against length (log-log slope; 1 linear, 2 quadratic):")
