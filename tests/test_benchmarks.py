@@ -39,3 +39,14 @@ def test_speed_dry_run_measures_runs_that_really_split_the_row():
                         flags=re.MULTILINE)
     assert [(int(t), float(s)) for t, s in splits] == [(int(t), int(t) / 2) for t, *_ in rows], out.stdout
     assert "exponent of step time against length" in out.stdout
+
+
+def test_head_benchmark_times_each_chunk_count_and_names_the_rules_choice():
+    args = ["--vocab", "4096", "--hidden", "64", "--tokens", "96", "--chunks", "1", "3", "--repeats", "1"]
+    out = launch(ROOT / "benchmarks" / "head.py", args, launcher="python")
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = re.search(r"96 tokens: stock ([\d.]+) s \| 1 chunks ([\d.]+) \(64\.0x\) \| 3 chunks ([\d.]+) \(21\.3x\) \| "
+                    r"the rule: (\d+) chunks of (\d+)", out.stdout)
+    assert row, out.stdout
+    assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) > 0
+    assert (int(row[4]), int(row[5])) == (2, 48)  # 32x the hidden states of 96 tokens at 4096 / 64: 48 tokens

@@ -10,13 +10,13 @@ incoming gradient. At most one chunk of fp32 logits is alive at any time.
 
 **Chunk size** (`chunk_tokens`): a chunk's fp32 logits take `LOGITS_PER_HIDDEN` times the memory of the
 slice's hidden states, so the head's working memory shrinks with the slice (as 1/P), like everything else per
-rank. The factor is a trade measured with `benchmarks.speed`: each chunk reads the head's weight three times
-(and its fp32 gradient twice) however few rows it has, so many small chunks leave the matmuls memory-bound,
-and that cost stays on every rank whatever P is. At 32, a slice is cut into about vocabulary / (32 x hidden)
-chunks — two for Qwen3-VL-2B, three for Qwen3.5, each holding less than half of stock's fp32 logits (stock also
-keeps their softmax and gradient) — and the fused head runs at stock's speed. A chunk holds at least `MIN_CHUNK`
-tokens (or the whole slice) and its fp32 logits at most `MAX_CHUNK_BYTES`, which bounds the head on long slices.
-`VLMCP_LOSS_CHUNK` sets it by hand.
+rank. The factor is a trade measured with `benchmarks.head` (the head alone) and `benchmarks.speed`: each chunk
+reads the head's weight twice and reads and writes its fp32 gradient once however few rows it has, so many
+small chunks leave the matmuls memory-bound, and that cost stays on every rank whatever P is. At 32 a slice is
+cut into about vocabulary / (32 x hidden) chunks — two for Qwen3-VL-2B, three for Qwen3.5, each under half of
+stock's fp32 logits (which stock holds with their softmax and gradient) — and the fused head costs what stock's
+does. A chunk holds at least `MIN_CHUNK` tokens (or the whole slice) and its fp32 logits at most
+`MAX_CHUNK_BYTES`, which bounds the head on long slices. `VLMCP_LOSS_CHUNK` sets it by hand.
 
 **Log-probabilities and entropies** (`_ChunkedTokenLogProbs`): per token, log p(target) and the entropy of
 softmax(logits / temperature). Their gradient depends on how the caller uses them, so backward recomputes
