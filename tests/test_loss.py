@@ -4,9 +4,12 @@ gradient, over chunk sizes, with a bias, ignored labels, a temperature, in bf16,
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vlmcp_patch.fixtures.compare import rel_err
 from vlmcp_patch.loss import IGNORE_INDEX, MIN_CHUNK, chunk_tokens, head_loss_sum, token_log_probs_and_entropy
@@ -70,8 +73,6 @@ def test_fused_loss_without_gradients_and_with_an_unscaled_backward():
 def test_no_gradient_buffers_under_no_grad_though_the_weights_require_grad():
     """Evaluation with labels (the Trainer's prediction step): the head's weight requires grad, but no grad mode, so
     the forward must not allocate its (V, H) fp32 gradient buffer (1.2 GB for Qwen3-VL-2B's head)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class Shapes(TorchDispatchMode):
         def __init__(self):
             super().__init__()
@@ -89,6 +90,38 @@ def test_no_gradient_buffers_under_no_grad_though_the_weights_require_grad():
         with torch.set_grad_enabled(grad_mode), Shapes() as probe:
             head_loss_sum(hidden.requires_grad_(True), head, labels, 8)
         assert shapes & set(probe.made) == expected, grad_mode
+
+
+class _MostChunksAlive(TorchDispatchMode):
+    """The most (rows, vocabulary) tensors alive at once (storages made under the mode; not `weight`'s views)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.vocab, self.weight = weight.shape[0], weight.untyped_storage().data_ptr()
+        self.alive, self.most = set(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[-1] == self.vocab:
+            storage = out.untyped_storage()
+            if storage.data_ptr() not in self.alive | {self.weight}:  # in-place results, views: not new chunks
+                self.alive.add(storage.data_ptr())
+                self.most = max(self.most, len(self.alive))
+                weakref.finalize(storage, self.alive.discard, storage.data_ptr())
+        return out
+
+
+def test_one_chunk_of_logits_alive_at_a_time():
+    """The head's working memory is one chunk of fp32 logits (two for the log-probabilities, whose gradient needs
+    the probabilities beside the log-probabilities): the previous chunk's are freed before the next are made."""
+    hidden, head, labels = _case(n=64, h=16, v=257)
+    with _MostChunksAlive(head.weight) as loss_probe:
+        head_loss_sum(hidden.clone().requires_grad_(True), head, labels, chunk=8).backward()
+    hidden = hidden.clone().requires_grad_(True)
+    with _MostChunksAlive(head.weight) as log_probs_probe:
+        log_probs, entropy = token_log_probs_and_entropy(hidden, head, labels, chunk=8)
+        (log_probs.sum() + entropy.sum()).backward()
+    assert (loss_probe.most, log_probs_probe.most) == (1, 2)
 
 
 def test_a_wrapped_head_is_called_once_and_gives_the_same_loss():

@@ -109,11 +109,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for a, b in _chunks(hidden.shape[0], chunk):
             h = hidden[a:b]
             logits = F.linear(h, weight, bias).float()
-            if not any(want[:3]):
+            if any(want[:3]):
+                total += _logits_grad_in_place(logits, labels[a:b])
+                _accumulate_head_grads(logits.to(hidden.dtype), h, weight, grad_hidden, grad_weight, grad_bias, a, b)
+            else:
                 total += F.cross_entropy(logits, labels[a:b], ignore_index=IGNORE_INDEX, reduction="sum")
-                continue
-            total += _logits_grad_in_place(logits, labels[a:b])
-            _accumulate_head_grads(logits.to(hidden.dtype), h, weight, grad_hidden, grad_weight, grad_bias, a, b)
+            del logits  # freed before the next chunk's are made: one chunk of logits alive at a time
         ctx.grads = (grad_hidden, grad_weight, grad_bias, weight.dtype, None if bias is None else bias.dtype)
         return total
 
@@ -204,6 +205,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             picked = logp.gather(-1, targets[a:b].clamp(min=0)[:, None])[:, 0]
             log_probs[a:b] = torch.where(valid, picked, 0.0)
             entropy[a:b] = torch.where(valid, -logp.exp().mul_(logp).sum(-1), 0.0)
+            del logp  # before the next chunk's logits
         ctx.save_for_backward(hidden, weight, bias, targets, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         return log_probs, entropy
@@ -228,6 +230,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             grad_z.scatter_add_(-1, y.clamp(min=0)[:, None], g_logp)
             grad_logits = (grad_z if ctx.temperature == 1.0 else grad_z.div_(ctx.temperature)).to(hidden.dtype)
             _accumulate_head_grads(grad_logits, h, weight, grad_hidden, grad_weight, grad_bias, a, b)
+            del logp, grad_z, grad_logits  # before the next chunk's logits
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
 
