@@ -51,7 +51,7 @@ class Settings:
     vision_dp: bool = True
     # None: placeholder vision passes under CP only; True: at P=1 too; False: never.
     match_vision_passes: bool | None = None
-    loss_chunk_tokens: int = 0  # 0: sized automatically (one chunk's fp32 logits ~ the slice's hidden states)
+    loss_chunk_tokens: int = 0  # 0: sized automatically (loss.chunk_tokens: fp32 logits ~32x the slice's hidden states)
     # TRL's RL rollouts under CP: each rank generates its share of the group's prompts (faster, other draws).
     split_rollouts: bool = False
 
