@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import math
 import time
 import weakref
 
@@ -30,10 +31,27 @@ from vlmcp_patch.fixtures.models import build_model
 MIB = 2**20
 
 
-def _released_vision(depth: int) -> dict:
-    """The released models' vision tower (1024 wide, 16 heads, patch 16) with `depth` blocks."""
-    return dict(depth=depth, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3, patch_size=16,
-                spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304)
+def _check_scale(scale: int) -> int:
+    """Widths are divided by `scale`; the patch side by its square root, so that a pixel row (3 x 2 x patch^2)
+    keeps its proportion to a hidden state."""
+    side = math.isqrt(scale)
+    if side * side != scale or 64 % scale:
+        raise ValueError(f"scale must be 1, 4 or 16, got {scale}")
+    return side
+
+
+def _released_vision(depth: int, scale: int = 1) -> dict:
+    """The released models' vision tower (1024 wide, 16 heads, patch 16) with `depth` blocks, widths / `scale`."""
+    return dict(depth=depth, hidden_size=1024 // scale, intermediate_size=4096 // scale, num_heads=16, in_channels=3,
+                patch_size=16 // _check_scale(scale), spatial_merge_size=2, temporal_patch_size=2,
+                out_hidden_size=2048 // scale, num_position_embeddings=2304)
+
+
+def _mrope_sections(sections: list[int], half: int) -> list[int]:
+    """mRoPE sections (frequencies per axis) of a rotary half-width `half`, in the released proportions."""
+    scaled = [max(1, round(s * half / sum(sections))) for s in sections]
+    scaled[0] += half - sum(scaled)
+    return scaled
 
 
 def _released_config(config_class, text: dict, vision: dict):
@@ -44,33 +62,39 @@ def _released_config(config_class, text: dict, vision: dict):
     return config
 
 
-def qwen3_vl_2b_like(layers: int = 2, vision_depth: int = 3):
+def qwen3_vl_2b_like(layers: int = 2, vision_depth: int = 3, scale: int = 1):
     """Qwen3-VL-2B's vocabulary, hidden size and heads (text: 16 query / 8 KV heads of 128; vision: 1024
-    wide, 16 heads, patch 16, three deepstack levels), with `layers` decoder layers."""
+    wide, 16 heads, patch 16, three deepstack levels), with `layers` decoder layers; every width and the
+    vocabulary divided by `scale` (the head counts kept)."""
     from transformers import Qwen3VLConfig
 
-    text = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
-                num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536,
-                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20]})
-    vision = {**_released_vision(vision_depth), "deepstack_visual_indexes": list(range(vision_depth))}
+    head_dim = 128 // scale
+    text = dict(vocab_size=151936 // scale, hidden_size=2048 // scale, intermediate_size=6144 // scale,
+                num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8, head_dim=head_dim,
+                max_position_embeddings=262144,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                 "mrope_section": _mrope_sections([24, 20, 20], head_dim // 2)})
+    vision = {**_released_vision(vision_depth, scale), "deepstack_visual_indexes": list(range(vision_depth))}
     return _released_config(Qwen3VLConfig, text, vision)
 
 
-def qwen3_5_like(layers: int = 2, vision_depth: int = 3):
+def qwen3_5_like(layers: int = 2, vision_depth: int = 3, scale: int = 1):
     """Qwen3.5's vocabulary and heads (16 query / 4 KV heads of 256; DeltaNet 16 key / 32 value heads of 128)
     with hidden size 2048 and `layers` layers: DeltaNet layers with a full-attention layer last (Qwen3.5 has
     three DeltaNet layers per full-attention layer; two layers keep four ranks of the 248,320-word model
-    within 24 GiB)."""
+    within 24 GiB); every width and the vocabulary divided by `scale` (the head counts kept)."""
     from transformers import Qwen3_5Config
 
     kinds = ["linear_attention"] * (layers - 1) + ["full_attention"]
-    text = dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
-                layer_types=kinds, num_attention_heads=16, num_key_value_heads=4,
-                head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=65536,
+    head_dim = 256 // scale
+    text = dict(vocab_size=248320 // scale, hidden_size=2048 // scale, intermediate_size=6144 // scale,
+                num_hidden_layers=layers, layer_types=kinds, num_attention_heads=16, num_key_value_heads=4,
+                head_dim=head_dim, linear_num_key_heads=16, linear_num_value_heads=32,
+                linear_key_head_dim=128 // scale, linear_value_head_dim=128 // scale, linear_conv_kernel_dim=4,
+                max_position_embeddings=262144,
                 rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                 "mrope_section": [11, 11, 10]})
-    return _released_config(Qwen3_5Config, text, _released_vision(vision_depth))
+                                 "mrope_section": _mrope_sections([11, 11, 10], head_dim // 8)})
+    return _released_config(Qwen3_5Config, text, _released_vision(vision_depth, scale))
 
 
 MODELS = {"qwen3-vl": qwen3_vl_2b_like, "qwen3.5": qwen3_5_like}
@@ -90,11 +114,12 @@ SAMPLES = {
 }
 
 
-def real_image_processor():
+def real_image_processor(patch_size: int = 16):
     from transformers import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
-                                    size={"shortest_edge": 32 * 32, "longest_edge": 2048 * 32 * 32})
+    factor = 2 * patch_size
+    return Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": factor * factor, "longest_edge": 2048 * factor * factor})
 
 
 def packed_sample(name: str) -> dict:
@@ -102,10 +127,10 @@ def packed_sample(name: str) -> dict:
     return make_packed_batch(SAMPLES[name], seed=0, processor=real_image_processor())[0]
 
 
-def build_benchmark_model(name: str):
+def build_benchmark_model(name: str, layers: int = 2, vision_depth: int = 3, scale: int = 1):
     """The model, its (tied) embeddings frozen: their gradient would be the largest tensor of every rank and
     does not depend on P; activations do not change."""
-    model = build_model(MODELS[name](), seed=0)
+    model = build_model(MODELS[name](layers=layers, vision_depth=vision_depth, scale=scale), seed=0)
     model.get_input_embeddings().requires_grad_(False)
     return model
 

@@ -8,8 +8,8 @@ buffers of all-to-all and all-gather, forward and backward:
 
 * softmax attention: q and the output (H x D each), k and v (H_kv' x D each, KV heads replicated to a
   multiple of P when fewer): 2 x (2H + 2H_kv') x D elements;
-* gated DeltaNet: q and k (H_k' x d_k), v and the output (H_v x d_v): 2 x (2H_k' d_k + 2H_v d_v) elements by
-  all-to-all, and the two gate inputs (2 H_v) by all-gather in forward (their backward is a reduce-scatter).
+* gated DeltaNet: q and k (H_k' x d_k), v and the output (H_v x d_v), and the two gate inputs (H_v each):
+  2 x (2H_k' d_k + 2H_v d_v + 2H_v) elements by all-to-all.
 
 The ratio measured / formula must be 1.00.
 """
@@ -36,9 +36,8 @@ def formula_per_token(config, size: int) -> dict[str, float]:
     if "linear_attention" in kinds:
         hk, hv = text.linear_num_key_heads, text.linear_num_value_heads
         hk_local = hk * kv_replication_factor(hv, hk, size)
-        deltanet = 2 * (2 * hk_local * text.linear_key_head_dim + 2 * hv * text.linear_value_head_dim)
+        deltanet = 2 * (2 * hk_local * text.linear_key_head_dim + 2 * hv * text.linear_value_head_dim + 2 * hv)
         out["all_to_all"] += kinds.count("linear_attention") * deltanet
-        out["all_gather"] += kinds.count("linear_attention") * 2 * hv
     return out
 
 

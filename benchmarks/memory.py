@@ -1,28 +1,139 @@
-"""Per-rank memory of one training step (forward + backward) at P = 1, 2, 4, with the released models'
-per-token proportions (fewer layers), on a packed row of two samples.
+"""Per-rank memory of one training step (forward + backward) at P = 1, 2, 4, 8, with the released models' per-token
+proportions, on a packed row of a given length: the step's peak and the longest row that fits a memory budget.
 
-    python -m benchmarks.memory [--model qwen3-vl|qwen3.5] [--sample text-heavy|image-heavy] [--sizes 1 2 4]
-        [--step sft|grpo]
+    python -m benchmarks.memory [--model qwen3-vl|qwen3.5] [--sample text-heavy|image-heavy|video]
+        [--tokens 8192] [--layers 12] [--scale 16] [--gradient-checkpointing] [--sizes 1 2 4 8] [--step sft|grpo]
+        [--stock]
+    python -m benchmarks.memory --longest 400 [--sample ...] [--gradient-checkpointing]   # MiB per rank
 
-For each P it prints, for the busiest rank: the bytes autograd saves for backward (saved-tensor hooks;
-parameters left out) and the peak of live tensor bytes during forward + backward (every storage created
-in the step, the parameter gradients left out: they do not depend on P), each as R = P x bytes(rank) /
-bytes(P=1) (ideal 1.0); the vision patches the rank encoded per vision pass against a perfect split (1.0 =
-total / P); the step's wall-clock (reported, not a target: the machine is shared). P=1 is the package's own path
-(a packed row takes it at P=1 too); stock transformers on the same row is printed beside it. Then every module whose
-saved bytes do not shrink with P (P x rank > 1.2 x P=1), with its share.
+The model has the released model's vocabulary, heads and widths divided by `--scale` (1: the released widths;
+16: a sixteenth, so that long rows run on a CPU) and the patch side by its square root, so a pixel row keeps its
+proportion to a hidden state; `--layers` decoder layers, three vision blocks (three deepstack levels). Rows are
+samples of the chosen kind packed into one row (a packed row takes the package's path at P=1 too: P=1 is the
+package's own baseline) and filled up to exactly `--tokens` with text:
+
+* text-heavy — samples of ~1,000 tokens, one picture each (6% vision tokens);
+* image-heavy — samples of four pictures of mixed sizes and little text (~90% vision tokens);
+* video — samples of one 16-frame video (temporal patch groups) and a question (~95% vision tokens).
+
+Memory is counted on the CPU as a GPU would hold it. The step's peak is the peak of live bytes of every tensor
+storage created during forward + backward (`LiveBytes`: a dispatch mode that sees each allocation and its
+release), the parameter gradients left out (they do not depend on P); to it is added what the batch occupies on
+the device during the whole step: at P=1 (and for stock) every tensor of the batch; under CP its integer tensors
+only (ids, labels, positions, grids), because the training integrations leave the pixel values on the host and
+the forward copies each rank's share itself — inside the step, so that copy is in the peak already. It prints,
+for the busiest rank, that peak and R = P x peak(rank) / peak(P=1) (1.0: a perfect 1/P split), the bytes autograd
+saves for backward, the vision patches the rank encoded against a perfect split, the tokens it held, and the
+step's wall-clock; with `--stock`, stock transformers on the same row beside P=1 (its sdpa builds an S x S mask
+for a packed row: slow on long rows).
+
+`--longest MIB` grows the row at each P until the busiest rank's peak crosses MIB (doubling, then bisecting to
+within 2%; every probe a real step) and prints the longest row that fits and its ratio to P=1's.
+`--dry-run`: the tiny test models on short rows (seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
-from benchmarks.common import MIB, LiveBytes, ModuleStack, SavedTensors, build_benchmark_model, packed_sample, timed
+from benchmarks.common import MIB, MODELS, LiveBytes, ModuleStack, SavedTensors, build_benchmark_model, timed
+from benchmarks.common import real_image_processor
 from tests.helpers.harness import run_distributed
+from vlmcp_patch.fixtures.data import Segment, make_packed_batch
 
 NOT_SHRINKING = 1.2
+S = Segment
+# One sample of each kind, pictures sized for a patch-16 tower (scaled with the patch, so the token counts stay).
+PATTERNS = {
+    "text-heavy": [S(text=700), S(image=(256, 256)), S(text=240)],
+    "image-heavy": [S(text=12), S(image=(384, 384)), S(text=6), S(image=(224, 224)), S(text=6),
+                    S(image=(384, 256)), S(text=6), S(image=(448, 256)), S(text=20)],
+    "video": [S(text=24), S(video=(16, 256, 192)), S(text=40)],
+}
+
+
+def _scaled(segment: Segment, patch: int) -> Segment:
+    side = lambda px: px * patch // 16  # noqa: E731 - the same patch grid at another patch size
+    if segment.image is not None:
+        return S(image=(side(segment.image[0]), side(segment.image[1])))
+    if segment.video is not None:
+        groups, width, height = segment.video
+        return S(video=(groups, side(width), side(height)))
+    return segment
+
+
+def row_of(sample: str, tokens: int, patch: int, tiny: bool = False) -> dict:
+    """A packed row of exactly `tokens` tokens: samples of `sample`'s kind, the rest one text sample."""
+    from vlmcp_patch.fixtures.data import image_processor
+
+    pattern = [S(text=20), S(image=(16, 24)), S(text=12)] if tiny else [_scaled(s, patch) for s in PATTERNS[sample]]
+    processor = image_processor() if tiny else real_image_processor(patch)
+    one = make_packed_batch([pattern], seed=0, processor=processor)[0]["input_ids"].shape[1]
+    count = max(0, tokens - 1) // one
+    layout = [pattern] * count + ([[S(text=tokens - count * one)]] if tokens > count * one else [])
+    return make_packed_batch(layout, seed=0, processor=processor)[0]
+
+
+def batch_device_bytes(batch: dict, cp_size: int) -> int:
+    """What the batch occupies on a rank's device during the step (module docstring)."""
+    return sum(t.numel() * t.element_size() for k, t in batch.items()
+               if torch.is_tensor(t) and (cp_size == 1 or not t.is_floating_point()))
+
+
+def _model(args: argparse.Namespace):
+    if not args.dry_run:
+        return build_benchmark_model(args.model, layers=args.layers, scale=args.scale)
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
+
+    config = (tiny_qwen3_vl_config if args.model == "qwen3-vl" else tiny_qwen3_5_config)(num_attention_heads=8)
+    return build_model(config, seed=0)
+
+
+def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, stock: bool = False) -> dict:
+    """One forward + backward of the row on this rank (`grpo`: a GRPO scoring step, policy and reference): peak
+    bytes (batch included), saved bytes by module, vision patches encoded, tokens held, time."""
+    import vlmcp_patch
+    from vlmcp_patch.stats import STATS
+
+    torch.manual_seed(0)
+    model = _model(args)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    reference = _model(args).requires_grad_(False) if args.step == "grpo" else None
+    batch = row_of(args.sample, tokens, model.config.vision_config.patch_size, args.dry_run)
+    if stock:
+        vlmcp_patch.revert()
+    vlmcp_patch.enable(cp_size=world_size)
+    STATS.drain()
+    modules = ModuleStack(model)
+    saved = SavedTensors(model, modules)
+    weights = [*model.parameters(), *model.buffers(), *(reference.parameters() if reference is not None else ())]
+    live = LiveBytes([*weights, *(v for v in batch.values() if torch.is_tensor(v))])
+
+    def step():
+        with modules, saved.recording(), live:
+            loss = model(**batch).loss if reference is None else grpo_scoring_loss(model, reference, batch)
+            loss.backward()
+        return loss
+
+    _, seconds = timed(step)
+    facts = STATS.drain()  # per vision pass (a GRPO step encodes the pictures twice: reference and policy)
+    grads = live.ids_of(p.grad for p in model.parameters())
+    patches = sum(int(batch[k].prod(-1).sum()) for k in ("image_grid_thw", "video_grid_thw") if k in batch)
+    return {
+        "saved": saved.total,
+        "saved_by_module": dict(saved.by_module),
+        "peak": live.peak(excluded=grads) + batch_device_bytes(batch, 1 if stock else world_size),
+        "vision_patches": facts.get("cp_vision_patches_per_rank", patches),
+        "all_patches": patches,
+        "tokens_per_rank": facts.get("cp_tokens_per_rank", batch["input_ids"].shape[1]),
+        "tokens": batch["input_ids"].shape[1],
+        "seconds": seconds,
+    }
 
 
 def completion_targets(batch: dict, share: float = 0.25) -> torch.Tensor:
@@ -52,55 +163,13 @@ def grpo_scoring_loss(model, reference, batch: dict, beta: float = 0.04) -> torc
     return ((-ratio * advantage + beta * kl) * scored).sum() / scored.sum()
 
 
-def measure(rank: int, world_size: int, model_name: str, sample: str, stock: bool = False, step_kind: str = "sft"):
-    """One forward + backward of the sample on this rank (`grpo`: a GRPO scoring step, policy and reference); its
-    saved bytes by module, peak live bytes, time."""
-    import vlmcp_patch
-    from vlmcp_patch.stats import STATS
-
-    torch.manual_seed(0)
-    model = build_benchmark_model(model_name)
-    reference = build_benchmark_model(model_name).requires_grad_(False) if step_kind == "grpo" else None
-    batch = packed_sample(sample)
-    if stock:
-        vlmcp_patch.revert()
-    vlmcp_patch.enable(cp_size=world_size)
-    STATS.drain()
-    modules = ModuleStack(model)
-    saved = SavedTensors(model, modules)
-    weights = [*model.parameters(), *model.buffers(), *(reference.parameters() if reference is not None else ())]
-    live = LiveBytes([*weights, *(v for v in batch.values() if torch.is_tensor(v))])
-
-    def step():
-        with modules, saved.recording(), live:
-            loss = model(**batch).loss if reference is None else grpo_scoring_loss(model, reference, batch)
-            loss.backward()
-        return loss
-
-    _, seconds = timed(step)
-    # per vision pass: a GRPO step encodes the pictures twice (reference and policy)
-    vision = (STATS.vision_patches // STATS.vision_passes if STATS.vision_passes
-              else int(batch["image_grid_thw"].prod(-1).sum()))
-    grads = live.ids_of(p.grad for p in model.parameters())
-    return {
-        "saved": saved.total,
-        "saved_by_module": dict(saved.by_module),
-        "peak": live.peak(excluded=grads),
-        "vision_patches": vision,
-        "seconds": seconds,
-        "tokens": batch["input_ids"].shape[1],
-        "all_patches": int(batch["image_grid_thw"].prod(-1).sum()),
-    }
-
-
 def _busiest(per_rank: list[dict], key: str) -> float:
     return max(r[key] for r in per_rank)
 
 
 def _layer_kind(name: str) -> str:
     """Group the modules of all layers: layers.3.self_attn -> layers.*.self_attn."""
-    parts = name.split(".")
-    return ".".join("*" if p.isdigit() else p for p in parts)
+    return ".".join("*" if p.isdigit() else p for p in name.split("."))
 
 
 def not_shrinking(reference: dict, per_rank: list[dict], size: int) -> list[tuple[str, float, float, float]]:
@@ -122,34 +191,32 @@ def not_shrinking(reference: dict, per_rank: list[dict], size: int) -> list[tupl
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-vl", choices=["qwen3-vl", "qwen3.5"])
-    parser.add_argument("--sample", default="text-heavy", choices=["text-heavy", "image-heavy"])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--step", default="sft", choices=["sft", "grpo"],
-                        help="sft: the loss of every token; grpo: a GRPO scoring step (policy and reference "
-                        "log-probabilities of the completion tokens, vlmcp_patch.token_log_probs)")
-    args = parser.parse_args()
+def _run(args, size: int, tokens: int, stock: bool = False) -> list[dict]:
+    return run_distributed(measure, size, args, tokens, stock, timeout=7200)
 
-    stock = None if args.step == "grpo" else run_distributed(measure, 1, args.model, args.sample, True,
-                                                              timeout=3600)[0]
-    results = {p: run_distributed(measure, p, args.model, args.sample, False, args.step, timeout=3600)
-               for p in args.sizes}
-    reference = results[1][0]
-    print(f"{args.model}, {args.sample}: {reference['tokens']} tokens, {reference['all_patches']} vision patches")
-    print(f"{'P':>9} {'saved MiB':>10} {'R saved':>8} {'peak MiB':>9} {'R peak':>7} {'patches':>8} {'patch ratio':>11}"
-          f" {'step s':>7}")
+
+def peak_table(args) -> None:
+    stock = _run(args, 1, args.tokens, stock=True)[0] if args.stock and args.step == "sft" else None
+    results = {p: _run(args, p, args.tokens) for p in args.sizes}
+    reference = results[min(results)][0]
+    print(f"{args.model} ({args.layers} layers, widths / {args.scale}), {args.sample}, "
+          f"{'gradient checkpointing' if args.gradient_checkpointing else 'no checkpointing'}, step {args.step}: "
+          f"{reference['tokens']} tokens, {reference['all_patches']} vision patches")
+    print(f"{'P':>9} {'peak MiB':>9} {'R peak':>7} {'saved MiB':>10} {'R saved':>8} {'patches':>8} {'patch ratio':>11}"
+          f" {'tokens/rank':>11} {'step s':>7}")
     if stock is not None:
-        print(f"{'1 stock':>9} {stock['saved'] / MIB:>10.1f} {'':>8} {stock['peak'] / MIB:>9.1f} {'':>7} "
-              f"{stock['vision_patches']:>8d} {'':>11} {stock['seconds']:>7.1f}")
+        print(f"{'1 stock':>9} {stock['peak'] / MIB:>9.1f} {'':>7} {stock['saved'] / MIB:>10.1f} {'':>8} "
+              f"{stock['vision_patches']:>8.0f} {'':>11} {stock['tokens_per_rank']:>11.0f} {stock['seconds']:>7.1f}")
     for size, per_rank in results.items():
-        saved, peak = _busiest(per_rank, "saved"), _busiest(per_rank, "peak")
+        peak, saved = _busiest(per_rank, "peak"), _busiest(per_rank, "saved")
         patches = _busiest(per_rank, "vision_patches")
-        print(f"{size:>9} {saved / MIB:>10.1f} {size * saved / reference['saved']:>8.3f} {peak / MIB:>9.1f} "
-              f"{size * peak / reference['peak']:>7.3f} {patches:>8d}"
-              f" {size * patches / reference['all_patches']:>11.3f}"
-              f" {_busiest(per_rank, 'seconds'):>7.1f}")
+        patch_ratio = size * patches / reference["all_patches"] if reference["all_patches"] else float("nan")
+        print(f"{size:>9} {peak / MIB:>9.1f} {size * peak / reference['peak']:>7.3f} {saved / MIB:>10.1f} "
+              f"{size * saved / reference['saved']:>8.3f} {patches:>8.0f} {patch_ratio:>11.3f} "
+              f"{_busiest(per_rank, 'tokens_per_rank'):>11.0f} {_busiest(per_rank, 'seconds'):>7.1f}")
+    for size, per_rank in results.items():
+        print(f"split: P={size} -> {_busiest(per_rank, 'tokens_per_rank'):.0f} tokens per rank of "
+              f"{reference['tokens']}")
     for size, per_rank in results.items():
         if size == 1:
             continue
@@ -158,6 +225,65 @@ def main() -> None:
               + ("" if rows else " none"))
         for kind, base, mine, ratio in rows:
             print(f"  {kind:60s} P=1 {base:8.2f} MiB  rank {mine:8.2f} MiB  ratio {ratio:5.2f}")
+
+
+def longest_row(args, size: int, budget: int) -> tuple[int, float]:
+    """(longest row whose busiest-rank peak stays within `budget` bytes, its peak): doubling, then bisecting."""
+    def fits(tokens):
+        peak = _busiest(_run(args, size, tokens), "peak")
+        print(f"  P={size} {tokens:>7} tokens: peak {peak / MIB:8.1f} MiB {'fits' if peak <= budget else 'over'}",
+              flush=True)
+        return peak <= budget, peak
+
+    low, high, low_peak = 0, args.start * size, 0.0
+    while True:
+        ok, peak = fits(high)
+        if not ok:
+            break
+        low, high, low_peak = high, 2 * high, peak
+    while high - low > max(32, 0.02 * high):
+        middle = (low + high) // 2
+        ok, peak = fits(middle)
+        low, high, low_peak = (middle, high, peak) if ok else (low, middle, low_peak)
+    return low, low_peak
+
+
+def longest_table(args) -> None:
+    budget = args.longest * MIB
+    found = {size: longest_row(args, size, budget) for size in args.sizes}
+    base = found[min(found)][0]
+    print(f"{args.model} ({args.layers} layers, widths / {args.scale}), {args.sample}, "
+          f"{'gradient checkpointing' if args.gradient_checkpointing else 'no checkpointing'}: the longest row "
+          f"within {args.longest} MiB per rank")
+    print(f"{'P':>3} {'tokens':>8} {'peak MiB':>9} {'ratio to P=1':>13} {'/ P':>6}")
+    for size, (tokens, peak) in found.items():
+        ratio = tokens / base if base else float("nan")
+        print(f"{size:>3} {tokens:>8} {peak / MIB:>9.1f} {ratio:>13.2f} {ratio / size:>6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-vl", choices=list(MODELS))
+    parser.add_argument("--sample", default="image-heavy", choices=list(PATTERNS))
+    parser.add_argument("--tokens", type=int, default=8192, help="the row's length")
+    parser.add_argument("--layers", type=int, default=12, help="decoder layers")
+    parser.add_argument("--scale", type=int, default=16, choices=[1, 4, 16], help="widths divided by this")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant, layers and vision")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--step", default="sft", choices=["sft", "grpo"],
+                        help="sft: the loss of every token; grpo: a GRPO scoring step (policy and reference "
+                        "log-probabilities of the completion tokens, vlmcp_patch.token_log_probs)")
+    parser.add_argument("--stock", action="store_true", help="also stock transformers at P=1 on the same row")
+    parser.add_argument("--longest", type=float, help="MiB per rank: the longest row that fits, at each P")
+    parser.add_argument("--start", type=int, default=1024, help="--longest: the first probe, tokens per rank")
+    parser.add_argument("--dry-run", action="store_true", help="the tiny test models on short rows")
+    args = parser.parse_args()
+    if args.dry_run:
+        args.tokens, args.layers, args.start = min(args.tokens, 150), 2, 64
+    if args.longest:
+        longest_table(args)
+    else:
+        peak_table(args)
 
 
 if __name__ == "__main__":

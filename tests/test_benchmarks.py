@@ -50,3 +50,16 @@ def test_head_benchmark_times_each_chunk_count_and_names_the_rules_choice():
     assert row, out.stdout
     assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) > 0
     assert (int(row[4]), int(row[5])) == (2, 48)  # 32x the hidden states of 96 tokens at 4096 / 64: 48 tokens
+
+
+def test_memory_dry_run_really_splits_the_row_eight_ways():
+    """The memory benchmark on the tiny models at P=1, 2 and 8 with gradient checkpointing: its P=8 run held an
+    eighth of the row per rank, and each P printed a measured peak and ratio."""
+    args = ["--dry-run", "--sizes", "1", "2", "8", "--gradient-checkpointing"]
+    out = launch(ROOT / "benchmarks" / "memory.py", args, launcher="python")
+    assert out.returncode == 0, out.stderr[-3000:]
+    splits = {int(p): (int(local), int(total)) for p, local, total in
+              re.findall(r"^split: P=(\d+) -> (\d+) tokens per rank of (\d+)", out.stdout, flags=re.MULTILINE)}
+    assert set(splits) == {1, 2, 8} and splits[8] == (-(-splits[1][1] // 8), splits[1][1]), out.stdout
+    rows = re.findall(r"^\s+([128])\s+([\d.]+)\s+([\d.]+)\s", out.stdout, flags=re.MULTILINE)
+    assert len(rows) == 3 and all(float(peak) > 0 and float(ratio) > 0 for _, peak, ratio in rows), out.stdout

@@ -224,15 +224,15 @@ def test_import_order_and_models_built_before_import():
         from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
         model = build_model(tiny_qwen3_vl_config())   # built before the package is imported
         import vlmcp_patch
-        print(type(type(model).__dict__["forward"]).__name__)
+        print(type(model).__dict__["forward"].vlmcp_original.__qualname__)
     """
-    assert _run(code) == "_OurWrapper"
+    assert _run(code) == "Qwen3VLForConditionalGeneration.forward"
     code_first = """
         import vlmcp_patch
         from transformers import Qwen3VLMoeForConditionalGeneration as C
-        print(type(C.__dict__["forward"]).__name__)
+        print(C.__dict__["forward"].vlmcp_original.__qualname__)
     """
-    assert _run(code_first) == "_OurWrapper"
+    assert _run(code_first) == "Qwen3VLMoeForConditionalGeneration.forward"
 
 
 def test_vlmcp_disable_turns_the_package_off():

@@ -1,4 +1,4 @@
-"""Vision data parallelism's pieces: the gather's backward values, and a rank without any image (bf16)."""
+"""Vision data parallelism's pieces: the feature exchange's backward values, and a rank without any image (bf16)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,20 @@ import torch
 from tests.helpers.harness import run_distributed
 
 
-def gather_backward(rank: int, world_size: int) -> dict:
-    """Blocks of 3 and 1 rows; each rank weighs the gathered rows differently (as each rank places the features
-    of its own sequence slice): the gradient of a block is the sum of every rank's weights on its rows."""
+def exchange_backward(rank: int, world_size: int) -> dict:
+    """Rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 1 to rank 0 and none to itself. Each rank weighs
+    the rows it received: the gradient of a sent row is the receiver's weight on it."""
     import torch.distributed as dist
 
-    from vlmcp_patch.collectives import gather_sum_grad
+    from vlmcp_patch.collectives import exchange_rows
 
-    counts = [3, 1]
-    x = torch.full((counts[rank], 2), float(rank + 1), requires_grad=True)
-    weights = torch.arange(8, dtype=torch.float32).reshape(4, 2) * (10 ** rank)
-    y = gather_sum_grad(x, 0, counts, dist.group.WORLD, rank)
+    send = [[1, 2], [1, 0]][rank]
+    recv = [send_by[rank] for send_by in ([1, 2], [1, 0])]
+    x = (torch.arange(3 * 2, dtype=torch.float32).reshape(3, 2)[: sum(send)] + 10 * rank).requires_grad_(True)
+    y = exchange_rows(x, send, recv, dist.group.WORLD)
+    weights = torch.arange(y.numel(), dtype=torch.float32).reshape(y.shape) + 100 * rank
     (y * weights).sum().backward()
-    expected = torch.arange(8, dtype=torch.float32).reshape(4, 2) * (1 + 10)
-    start = sum(counts[:rank])
-    return {"forward": y.tolist(), "grad_ok": torch.equal(x.grad, expected[start:start + counts[rank]])}
+    return {"forward": y.tolist(), "grad": x.grad.tolist()}
 
 
 def one_image_in_bf16(rank: int, world_size: int) -> dict:
@@ -81,10 +80,10 @@ def bf16_run():
     return run_distributed(one_image_in_bf16, 2, timeout=300)
 
 
-def test_gather_backward_sums_every_ranks_gradient_into_the_owner_block():
-    for res in run_distributed(gather_backward, 2, timeout=120):
-        assert res["forward"] == [[1.0, 1.0]] * 3 + [[2.0, 2.0]]
-        assert res["grad_ok"]
+def test_feature_exchange_returns_each_rows_gradient_to_its_sender():
+    rank0, rank1 = run_distributed(exchange_backward, 2, timeout=120)
+    assert rank0["forward"] == [[0.0, 1.0], [10.0, 11.0]] and rank1["forward"] == [[2.0, 3.0], [4.0, 5.0]]
+    assert rank0["grad"] == [[0.0, 1.0], [100.0, 101.0], [102.0, 103.0]] and rank1["grad"] == [[2.0, 3.0]]
 
 
 def test_a_rank_without_images_runs_a_zero_gradient_placeholder_in_the_models_dtype(once):

@@ -26,10 +26,12 @@ from .forward.generate import GENERATE_PATCH  # noqa: E402
 from .integrations import accelerate as _accelerate  # noqa: E402
 from .integrations import deepspeed as _deepspeed  # noqa: E402
 from .integrations import parallelism_config as _parallelism_config  # noqa: E402
+from .integrations import placement as _placement  # noqa: E402
 from .integrations import trainer as _trainer  # noqa: E402
 from .integrations import trl as _trl  # noqa: E402
 from .integrations import trl_rl as _trl_rl  # noqa: E402
 from .integrations import vision_placeholder as _vision_placeholder  # noqa: E402
+from .integrations.placement import batch_to_device  # noqa: E402
 from .integrations.setup import check_cp_setup  # noqa: E402
 from .logprobs import token_log_probs  # noqa: E402
 from .patching import PATCHES  # noqa: E402
@@ -46,6 +48,7 @@ PATCHES.add(
     *_accelerate.patches(),
     *_deepspeed.patches(),
     *_parallelism_config.patches(),
+    *_placement.patches(),
     *_trainer.patches(),
     *_trl.patches(),
     *_trl_rl.patches(),
@@ -93,6 +96,7 @@ __all__ = [
     "VLMCPError",
     "SETTINGS",
     "apply",
+    "batch_to_device",
     "cp_size",
     "data_parallel_rank",
     "data_parallel_world_size",

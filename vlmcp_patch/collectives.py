@@ -61,14 +61,6 @@ def _all_gather_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tens
     return out.movedim(0, dim)
 
 
-def _reduce_scatter_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
-    """This rank's block along `dim` of the sum of every rank's `x` (blocks of equal length): one reduce-scatter."""
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    _collective("reduce_scatter_single", "reduce_scatter_tensor")(out, front, group=group)
-    return out.movedim(0, dim)
-
-
 class _GatherKeepLocalGrad(torch.autograd.Function):
     """All-gather along `dim`; backward keeps this rank's slice of the gradient, with no communication.
 
@@ -117,42 +109,32 @@ def sum_keep_local_grad(x: torch.Tensor, group, size: int) -> torch.Tensor:
     return _SumKeepLocalGrad.apply(x, group)
 
 
-class _GatherSumGrad(torch.autograd.Function):
-    """All-gather of per-rank blocks along `dim` whose lengths may differ (`counts`, known on every rank);
-    the result is the blocks in rank order. Backward sums the gradient over the group and keeps this
-    rank's block (a reduce-scatter).
-
-    For a tensor that every rank uses *differently* after the gather (each rank reads the columns of its
-    own heads; each rank places the vision features of its own sequence slice): the gradient of this
-    rank's block is spread over all ranks and must be summed.
-    """
+class _ExchangeRows(torch.autograd.Function):
+    """Rows sent to other ranks by count: rank r sends its first `send_counts[0]` rows to rank 0, the next
+    `send_counts[1]` to rank 1, ..., and receives `recv_counts[s]` rows from each rank s, in rank order (one
+    all_to_all_single with uneven splits). Every row goes to exactly one rank, so the adjoint is the same
+    exchange in reverse: each rank gets back the gradient of the rows it sent."""
 
     @staticmethod
-    def forward(ctx, x, dim, counts, group, rank):
-        ctx.dim, ctx.counts, ctx.group, ctx.rank = dim, counts, group, rank
-        missing = max(counts) - x.shape[dim]
-        padded = torch.cat([x, x.new_zeros(*x.shape[:dim], missing, *x.shape[dim + 1 :])], dim) if missing else x
-        gathered = _all_gather_along(padded, dim, group, len(counts))
-        if len(set(counts)) == 1:
-            return gathered
-        parts = gathered.split(max(counts), dim)
-        return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, counts)], dim)
+    def forward(ctx, x, send_counts, recv_counts, group):
+        ctx.counts, ctx.group = (send_counts, recv_counts), group
+        return _exchange_rows(x, send_counts, recv_counts, group)
 
     @staticmethod
     def backward(ctx, grad):
-        if len(set(ctx.counts)) == 1:  # equal blocks: a reduce-scatter moves 1/P of an all-reduce
-            return _reduce_scatter_along(grad, ctx.dim, ctx.group, len(ctx.counts)), None, None, None, None
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        start = sum(ctx.counts[: ctx.rank])
-        return grad.narrow(ctx.dim, start, ctx.counts[ctx.rank]).contiguous(), None, None, None, None
+        send_counts, recv_counts = ctx.counts
+        return _exchange_rows(grad, recv_counts, send_counts, ctx.group), None, None, None
 
 
-def gather_sum_grad(x: torch.Tensor, dim: int, counts: list[int], group, rank: int) -> torch.Tensor:
-    """See `_GatherSumGrad`; `counts[r]` is the length of rank r's block along `dim`."""
-    if len(counts) == 1:
-        return x
-    return _GatherSumGrad.apply(x, dim, counts, group, rank)
+def _exchange_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    return out
+
+
+def exchange_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    """See `_ExchangeRows`; `x` holds sum(send_counts) rows grouped by destination rank."""
+    return _ExchangeRows.apply(x, send_counts, recv_counts, group)
 
 
 def all_gather_small(values: torch.Tensor, group, size: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ recomputation sees the same state as the forward did.
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,12 @@ class RowLayout:
         flat = x.flatten(batch_dim, batch_dim + 1)
         return flat.index_select(batch_dim, self.index.to(x.device)).unsqueeze(batch_dim)
 
+    def take(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Tokens [start, stop) of the row, read from the caller's layout (batch, width, ...) -> (1, stop - start,
+        ...): a slice of the row without the whole row ever being built."""
+        flat = x.flatten(0, 1)
+        return flat.index_select(0, self.index[start:stop].to(x.device)).unsqueeze(0)
+
     def to_caller(self, x: torch.Tensor, batch_dim: int = 0, fill=0) -> torch.Tensor:
         """(..., 1, tokens, ...) -> (..., batch, width, ...), padding positions set to `fill`."""
         row = x.squeeze(batch_dim)
@@ -63,6 +69,9 @@ class CPContext:
     cp: CPGroup
     segments: list[Segment]  # samples of the packed row (real tokens, back to back)
     rows: RowLayout | None = None  # the caller's batch, when it was not already the row
+    # Row positions (1D, ascending) of each modality's placeholder tokens ("image", "video"): the vision features
+    # go to the rank whose slice holds their token (`forward.vision`).
+    vision_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
     decoder_entered: bool = False  # set once by the text decoder that takes this forward (`take_for_decoder`)
 
     @property
@@ -112,9 +121,22 @@ class CPContext:
         widths = [0, 0] * (x.ndim - dim - 1) + [0, self.pad_len]
         return F.pad(x, widths, value=value)
 
+    @property
+    def local_real_len(self) -> int:
+        """Real tokens in this rank's slice (the rest is CP padding)."""
+        return self.local_len - self.local_pad_len
+
     def shard(self, x: torch.Tensor, dim: int, value=0) -> torch.Tensor:
-        """This rank's contiguous slice of a full-length tensor (padded first)."""
-        return self.pad(x, dim, value).narrow(dim, self.local_slice.start, self.local_len)
+        """This rank's contiguous slice (local_len along `dim`) of a full-length tensor, CP padding filled with
+        `value`: a view when the slice holds no padding, otherwise a tensor of the slice's size (the whole tensor
+        is never copied)."""
+        dim = dim % x.ndim
+        start = min(self.local_slice.start, self.seq_len)
+        local = x.narrow(dim, start, self.local_real_len)
+        if not self.local_pad_len:
+            return local
+        widths = [0, 0] * (x.ndim - dim - 1) + [0, self.local_pad_len]
+        return F.pad(local, widths, value=value)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The full-length tensor from every rank's slice, padding removed (`distributed.gather_sequence`)."""

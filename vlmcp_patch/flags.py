@@ -38,6 +38,9 @@ GENERATING = contextvars.ContextVar("vlmcp_generating", default=False)
 # The forward returns per-token log-probabilities and entropies at this temperature (None: off). Set by:
 # `logprobs.token_log_probs`. Read by: `forward.top_level`.
 TOKEN_LOG_PROBS = contextvars.ContextVar("vlmcp_token_log_probs", default=None)
+# The multimodal model is encoding videos (its `get_video_features` hands the pixels to `get_image_features`).
+# Set by: `forward.vision.cp_video_features`. Read by: `forward.vision.cp_image_features`.
+ENCODING_VIDEO = contextvars.ContextVar("vlmcp_encoding_video", default=False)
 # Modalities ("image", "video") of the running forward that carry a placeholder, not real inputs. Set by:
 # `integrations.vision_placeholder.matched_vision_forward`. Read by: the same module's mask and position patches.
 VISION_PLACEHOLDERS = contextvars.ContextVar("vlmcp_vision_placeholders", default=frozenset())

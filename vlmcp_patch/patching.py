@@ -21,10 +21,12 @@ import importlib.metadata
 import importlib.util
 import inspect
 import sys
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
 import wrapt
 
 from .errors import PatchTargetError
@@ -48,9 +50,9 @@ def _resolve(dotted: str):
 
 
 def _innermost(obj, name: str):
-    """The function a target really is: through functools.wraps, and through decorators that close over
-    it without wraps (their inner function has the target's name)."""
-    obj = inspect.unwrap(obj)
+    """The function a target really is: under a patch of ours, through functools.wraps, and through decorators that
+    close over it without wraps (their inner function has the target's name)."""
+    obj = inspect.unwrap(getattr(obj, "vlmcp_original", obj))
     for cell in getattr(obj, "__closure__", None) or ():
         inner = cell.cell_contents
         if inspect.isfunction(inner) and name.endswith(inner.__name__) and inner is not obj:
@@ -84,7 +86,8 @@ def _takes(params, expected: Expected) -> bool:
 
 @dataclass(frozen=True)
 class Patch:
-    """Wrap the function at `target` with a wrapt wrapper `wrapper(wrapped, instance, args, kwargs)`.
+    """Replace the function at `target` by one that calls `wrapper(wrapped, instance, args, kwargs)` (wrapt's
+    convention; `patched_function`).
 
     `expects` lists parameters the target's signature must have (a tuple entry: any one of the spellings the
     parameter has had, e.g. `("past_key_values", "cache")`); `mirrors` maps each pinned digest of the
@@ -107,7 +110,7 @@ class Patch:
 
     def check(self) -> None:
         _, name, current = _resolve(self.target)
-        original = getattr(current, "__wrapped__", current) if _is_ours(current) else current
+        original = getattr(current, "vlmcp_original", current)
         params = inspect.signature(_innermost(original, name)).parameters
         missing = [p for p in self.expects if not _takes(params, p)]
         if missing:
@@ -124,16 +127,41 @@ class Patch:
             )
 
     def apply(self) -> Callable[[], None]:
-        parent, name, _ = _resolve(self.target)
+        parent, name, current = _resolve(self.target)
         raw = inspect.getattr_static(parent, name)
-        if _is_ours(getattr(parent, name)):
+        if _is_ours(current):
             return lambda: None
-        setattr(parent, name, _OurWrapper(getattr(parent, name), self.wrapper))
+        is_method = inspect.isclass(parent) and inspect.isfunction(raw)
+        if inspect.isclass(parent) and not is_method:
+            raise PatchTargetError(f"patch target {self.target} is not a plain method ({type(raw).__name__})")
+        setattr(parent, name, patched_function(raw if is_method else current, self.wrapper, is_method))
         return lambda: setattr(parent, name, raw)
 
 
-class _OurWrapper(wrapt.FunctionWrapper):
-    """Marks wrappers installed by vlmcp-patch, so a second apply recognises them."""
+def patched_function(original: Callable, wrapper: Callable, is_method: bool) -> Callable:
+    """A plain function in place of `original` that calls `wrapper(wrapped, instance, args, kwargs)` (wrapt's
+    convention). A plain function, not a proxy object: code that rebinds a method through its `__func__`
+    (Accelerate's mixed precision) or unwraps it through `__wrapped__` (Accelerate's `unwrap_model`) keeps the
+    patch, and torch.compile traces it like any function. With CP off, a traced call goes straight to the
+    original, so a compiled model's graph is stock's."""
+    from .settings import cp_size  # settings imports this module
+
+    if is_method:
+        def replacement(self, *args, **kwargs):
+            if torch.compiler.is_compiling() and cp_size() == 1:
+                return original(self, *args, **kwargs)
+            return wrapper(types.MethodType(original, self), self, args, kwargs)
+    else:
+        def replacement(*args, **kwargs):
+            if torch.compiler.is_compiling() and cp_size() == 1:
+                return original(*args, **kwargs)
+            return wrapper(original, None, args, kwargs)
+
+    for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(replacement, attribute, getattr(original, attribute, None))
+    replacement.__signature__ = inspect.signature(original)
+    replacement.vlmcp_original = original
+    return replacement
 
 
 class _OurProperty(property):
@@ -141,7 +169,8 @@ class _OurProperty(property):
 
 
 def _is_ours(obj) -> bool:
-    return isinstance(obj, (_OurWrapper, _OurProperty)) or getattr(obj, "vlmcp_original", None) is not None
+    """Whether `obj` was installed by vlmcp-patch (so a second apply recognises it)."""
+    return isinstance(obj, _OurProperty) or getattr(obj, "vlmcp_original", None) is not None
 
 
 @dataclass(frozen=True)

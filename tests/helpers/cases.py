@@ -111,27 +111,27 @@ FAMILIES = {
 
 # All-to-all calls of one forward+backward: Qwen3-VL's two attention layers exchange q, k, v and the
 # output each way (2 x 8); gradient checkpointing replays the forward ones in backward (+8). Qwen3.5:
-# one attention layer (8) and two DeltaNet layers exchanging q, k, v and the output (2 x 8; their
-# gate inputs travel by all-gather, not counted here); gradient checkpointing replays the 12 forward ones.
-# With LoRA on q/v and everything below layer 0 frozen, nothing needs the gradient of layer 0's keys
-# (15).
+# one attention layer (8) and two DeltaNet layers exchanging q, k, v, the two gate inputs and the output
+# (2 x 12); gradient checkpointing replays the 16 forward ones. With LoRA on q/v and everything below layer 0
+# frozen, nothing needs the gradient of layer 0's keys (15).
 EXCHANGES = {
     "qwen3_vl": {"default": 16, "grad_checkpointing": 24, "lora_frozen_vision": 15},
-    "qwen3_5": {"default": 24, "vision_grad_checkpointing": 36},
+    "qwen3_5": {"default": 32, "vision_grad_checkpointing": 48},
 }
 VISION_BLOCKS = 2  # the tiny vision towers' depth
 
 
-def vision_slice_exchanges(batch: dict, cp_size: int, checkpointing: bool = False, frozen: bool = False) -> int:
-    """All-to-alls of the vision passes that encode patch slices (items that do not balance over the ranks):
-    q, k, v and the output of every vision block, forward (replayed by gradient checkpointing) and backward
-    (none for a frozen tower)."""
+def vision_exchanges(batch: dict, cp_size: int, checkpointing: bool = False, frozen: bool = False) -> int:
+    """All-to-alls of the vision passes: per modality, the one that routes each feature to the rank holding its
+    token (and its reverse in backward, unless the tower is frozen); for the modalities that encode patch slices
+    (items that do not balance over the ranks), also q, k, v and the output of every vision block, forward
+    (replayed by gradient checkpointing) and backward (none for a frozen tower)."""
     from vlmcp_patch.forward.vision import VisionShare
 
+    grids = [batch[key].tolist() for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None]
     per_block = 4 * (1 + (not frozen) + (checkpointing and not frozen))
-    unbalanced = [key for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None
-                  and not VisionShare.of(batch[key].tolist(), 2, cp_size).balanced()]
-    return len(unbalanced) * VISION_BLOCKS * per_block
+    unbalanced = [grid for grid in grids if not VisionShare.of(grid, 2, cp_size).balanced()]
+    return len(grids) * (1 + (not frozen)) + len(unbalanced) * VISION_BLOCKS * per_block
 
 
 def image_spans(input_ids) -> list[tuple[int, int]]:
@@ -203,6 +203,6 @@ def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list
         metrics["linear_key_heads"] = getattr(config.get_text_config(), "linear_num_key_heads", None)
         grids = [batch.get(k) for k in ("image_grid_thw", "video_grid_thw") if batch.get(k) is not None]
         metrics["vision_patches"] = int(sum(int(g.prod(-1).sum()) for g in grids))
-        metrics["vision_exchanges"] = vision_slice_exchanges(batch, cp_size, checkpointing, lora) if vision_dp else 0
+        metrics["vision_exchanges"] = vision_exchanges(batch, cp_size, checkpointing, lora) if vision_dp else 0
         results[name] = metrics
     return results

@@ -74,9 +74,9 @@ def run_layer_cases(rank: int, world_size: int) -> dict:
             "param_grad_err": max(rel_err(grads[n], ref_grads[n]) for n in ref_grads),
             "exchanges": counter.calls["all_to_all_single"],
             # all-to-all send buffers of the group per token of the row, forward, fp32, and the formula they
-            # must match: q and k (key heads after replication), v and the output.
+            # must match: q and k (key heads after replication), v, the two gate inputs and the output.
             "a2a_bytes_per_token": forward_bytes * world_size / ctx.padded_len,
             "a2a_bytes_formula": 4 * (2 * layer.num_k_heads * _HeadShare.of(layer, ctx).repeat * layer.head_k_dim
-                                      + 2 * layer.num_v_heads * layer.head_v_dim),
+                                      + 2 * layer.num_v_heads * layer.head_v_dim + 2 * layer.num_v_heads),
         }
     return results

@@ -48,7 +48,7 @@ def _alone_reference(model, alone: list[dict]):
 
 def run_packing_cases(rank: int, world_size: int, families: list[str], cu_seq_lens: bool = False) -> dict:
     import vlmcp_patch
-    from tests.helpers.cases import crosses_shard_edge, vision_slice_exchanges
+    from tests.helpers.cases import crosses_shard_edge, vision_exchanges
     from vlmcp_patch.fixtures.compare import gradient_errors, rel_err, summed_over_group
     from vlmcp_patch.fixtures.probes import CollectiveProbe
 
@@ -83,7 +83,7 @@ def run_packing_cases(rank: int, world_size: int, families: list[str], cu_seq_le
             "decay_path_grad_err": max(decay.values(), default=0.0),
             "missing_grads": sorted(set(ref_grads) - set(grads)),
             "exchanges": counter.calls["all_to_all_single"],
-            "vision_exchanges": vision_slice_exchanges(row, world_size) if world_size > 1 else 0,
+            "vision_exchanges": vision_exchanges(row, world_size) if world_size > 1 else 0,
             "edges_inside_samples": all(any(a < e < b for a, b in zip(starts[:-1], starts[1:])) for e in edges),
             "edge_inside_image": crosses_shard_edge(row["input_ids"], world_size),
             "seq_len": row["input_ids"].shape[1],

@@ -6,6 +6,9 @@ import inspect
 
 import torch
 
+# The batch's pixel values. Under CP the training integrations leave them on the host (each rank copies its own
+# share to its device: forward/vision.py, integrations/placement.py).
+PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
 # The spellings of the KV-cache argument across the supported transformers: `cache` from 5.24 (`past_key_values`
 # still accepted there, deprecated), `past_key_values` before.
 CACHE_KEYWORDS = ("past_key_values", "cache")
@@ -41,3 +44,9 @@ def has_vision(call: dict) -> bool:
     """Whether a call carries images or videos (pixels or grids)."""
     keys = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
     return any(call.get(k) is not None for k in keys)
+
+
+def pixels_on_device(call: dict, device) -> dict:
+    """`call` with its pixel values on `device`: a stock pass under a CP launch (`generate()`, `disabled()`) takes
+    them where the model is, and the integrations may have left them on the host."""
+    return {k: v.to(device) if k in PIXEL_KEYS and torch.is_tensor(v) else v for k, v in call.items()}

@@ -224,13 +224,14 @@ def _check_labels(model, call: dict, shape: tuple[int, int]) -> None:
                     f"with 'Target {bad} is out of bounds'")
 
 
-def _count_tokens(model, call: dict, token_id: int) -> int:
-    """Placeholder tokens of `token_id`, found as stock finds them: by id, or by embedding with embeddings only."""
+def placeholder_tokens(model, call: dict, token_id: int) -> torch.Tensor:
+    """(batch, seq) bool: the placeholder tokens of `token_id`, found as stock finds them — by id, or by embedding
+    when only `inputs_embeds` come."""
     if call.get("input_ids") is not None:
-        return int((call["input_ids"] == token_id).sum())
+        return call["input_ids"] == token_id
     embeds = call["inputs_embeds"]
     token = model.get_input_embeddings()(torch.tensor(token_id, device=embeds.device))
-    return int((embeds == token).all(-1).sum())
+    return (embeds == token).all(-1)
 
 
 def _check_grid(grid: torch.Tensor, name: str, merge: int) -> None:
@@ -258,7 +259,8 @@ def _check_vision(model, call: dict) -> None:
         if pixels.ndim != 2 or tuple(pixels.shape) != (rows, width):
             _reject(f"{pixels_key} has shape {tuple(pixels.shape)} but {grid_key} {grid.tolist()} asks for "
                     f"({rows}, {width}) patch rows; build both with the same processor")
-        expected, found = rows // merge**2, _count_tokens(model, call, getattr(model.config, token_key))
+        expected = rows // merge**2
+        found = int(placeholder_tokens(model, call, getattr(model.config, token_key)).sum())
         if expected != found:
             _reject(f"{kind} features and {kind} tokens do not match: {grid_key} gives {expected} {kind} tokens but "
                     f"the tokens hold {found}; build input_ids with the same processor as the {pixels_key}.")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from ..distributed import cp_requested, disabled, get_cp_group
 from ..flags import GENERATING, SPLIT_ROLLOUT, scoped
 from ..patching import Patch
-from .arguments import call_arguments
+from .arguments import call_arguments, pixels_on_device
 
 # Inputs with one entry per row (batch dimension first) that a split rollout divides by rows.
 ROW_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "position_ids")
@@ -100,6 +100,7 @@ def cp_bypassed_generate(wrapped, instance, args, kwargs):
     with scoped(GENERATING, True):
         if not cp_requested():
             return wrapped(*args, **kwargs)
+        kwargs = pixels_on_device(kwargs, instance.device)  # decoding alone: the whole batch's pixels are needed
         if SPLIT_ROLLOUT.get():
             return split_generate(wrapped, instance, args, kwargs)
         with disabled():

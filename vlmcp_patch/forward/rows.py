@@ -8,7 +8,8 @@ Two kinds of batch arrive:
   ever built; outputs go back to the caller's layout (`CPContext.rows`).
 
 Positions (given or computed as stock computes them, in the plan) and labels (shifted on the caller's
-layout first, so the last real token of a row keeps the target stock gives it) travel with their tokens.
+layout first, so the last real token of a row keeps the target stock gives it) travel with their tokens. The
+row holds only small integer tensors; `slicing.cut_to_slice` then cuts it to this rank's slice.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from ..loss import shifted_labels
 from .arguments import batch_reference
 from .checks import CU_SEQ_LENS, BatchPlan
 
-# Per-token inputs that follow their tokens into the row: (name, index of the batch dimension).
-PER_TOKEN = (("input_ids", 0), ("inputs_embeds", 0), ("mm_token_type_ids", 0), ("shift_labels", 0))
+# Per-token inputs that follow their tokens into the row: (name, index of the batch dimension). Caller-given
+# `inputs_embeds` are not among them: only this rank's slice of them is ever built (`slicing.cut_to_slice`).
+PER_TOKEN = (("input_ids", 0), ("mm_token_type_ids", 0), ("shift_labels", 0))
 
 
 def _with_targets(call: dict) -> None:

@@ -31,9 +31,10 @@ from ..loss import IGNORE_INDEX, sharded_causal_lm_loss, token_log_probs_and_ent
 from ..settings import SETTINGS
 from ..stats import STATS
 from .agreement import agree_on_batch
-from .arguments import call_arguments
+from .arguments import call_arguments, pixels_on_device
 from .checks import is_packed_row, plan_batch, setup_problem
 from .rows import lay_out
+from .slicing import cut_to_slice
 
 # What the top-level forward consumes itself rather than passing to the backbone.
 TOP_LEVEL_ONLY = ("shift_labels", "num_items_in_batch", "return_dict", "logits_to_keep")
@@ -48,8 +49,9 @@ def full_logits_requested() -> bool:
 @torch.compiler.disable  # data-dependent checks, a collective and (once) process-group creation: eager
 def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | None:
     """Checks, agreement and the packed-row layout of one forward of `model`; its arguments in `call` are
-    rewritten in place as the packed row. Returns the forward's `CPContext`, or None when the call runs
-    stock (CP off and not a packed row, unless `always`).
+    rewritten in place as this rank's slice of the packed row (the vision inputs and the labels as given).
+    Returns the forward's `CPContext`, or None when the call runs stock (CP off and not a packed row, unless
+    `always`).
 
     The caller runs the stock backbone inside `ctx.running()`: the top-level forward here, TRL's fused LM
     head (which calls the backbone itself) in integrations/trl.py, `vlmcp_patch.token_log_probs`.
@@ -66,6 +68,7 @@ def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | Non
     agree_on_batch(cp, problem, call, model)
     segments, rows = lay_out(call, plan)
     ctx = CPContext(cp=cp, segments=segments, rows=rows)
+    cut_to_slice(model, call, ctx)
     STATS.record(ctx)
     return ctx
 
@@ -115,6 +118,8 @@ def token_log_probs_of_slice(instance, ctx: CPContext, hidden: torch.Tensor, shi
 def cp_top_level_forward(wrapped, instance, args, kwargs):
     """The patched top-level forward; see the module docstring for its contract."""
     if BYPASS.get():
+        if SETTINGS.cp_size > 1:  # a stock pass inside `disabled()` of a CP launch: see `pixels_on_device`
+            kwargs = pixels_on_device(kwargs, instance.device)
         return wrapped(*args, **kwargs)
     call = call_arguments(wrapped, args, kwargs)
     temperature = TOKEN_LOG_PROBS.get()

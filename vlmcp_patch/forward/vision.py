@@ -1,26 +1,32 @@
-"""Vision data parallelism under CP: each rank encodes only its share of the images and video frames.
+"""Vision under CP: each rank encodes its share of the images and video frames, and each merged or deepstack
+feature goes to the rank whose slice holds its placeholder token.
 
-Without it every rank of a CP group runs the vision tower on every image of the micro-batch: P-1
-redundant passes, and vision activations that do not shrink with P. Here the patched vision tower
-forward, inside a CP forward, splits the work one of two ways, decided from `grid_thw` alone (every rank
-decides the same without communicating):
+The multimodal model's `get_image_features` (through which `get_video_features` goes too) is patched. Inside a
+CP forward it returns the features of the placeholder tokens of this rank's slice only, in their order — what
+stock's placement (`get_placeholder_mask`, `masked_scatter`, the deepstack rows) then consumes on the slice of
+ids and embeddings the backbone was given (`slicing.cut_to_slice`). Three steps:
 
-* **by items** (`encode_items`), when they balance: whole images and videos, or the temporal patch groups
-  of an item larger than one rank's fair share (the tower attends within each group, so they encode
-  independently), assigned longest first to the least loaded rank. Each rank runs the stock tower
-  (patch embedding, blocks, merger, deepstack mergers) on its units; one all-gather brings the merged
-  features and every deepstack level back into the original order.
-* **by patches** (`encode_patch_slices`), when items cannot balance (fewer images than ranks, one image
-  larger than a rank's share): the patches of all items are cut into P equal contiguous slices (whole
-  merged tokens each) and every vision attention exchanges sequence for heads (the Ulysses exchange of the
-  decoder, non-causal, within each image's attention segments), so even a single large image scales
-  with P.
+1. **share** — which merged tokens each rank encodes, decided from `grid_thw` alone (every rank decides the same
+   without communicating):
+   * **by items** (`encode_items`), when they balance: whole images and videos, or the temporal patch groups
+     of an item larger than one rank's fair share (the tower attends within each group, so they encode
+     independently), assigned longest first to the least loaded rank; each rank runs the stock tower on its
+     units (patch embedding, blocks, merger, deepstack mergers);
+   * **by patches** (`encode_patch_slices`), when items cannot balance (fewer images than ranks, one image
+     larger than a rank's share): the patches of all items are cut into P equal contiguous slices (whole merged
+     tokens each) and every vision attention exchanges sequence for heads (the Ulysses exchange of the decoder,
+     non-causal, within each image's attention segments), so even a single large image scales with P;
+   * with vision data parallelism off (`VLMCP_VISION_DP=0`), every rank encodes every item.
+2. **pixels** — a rank copies only its share of the pixel rows to the tower's device, cast once to the
+   tower's dtype; the caller's pixel values may stay on the host (`placement.py`).
+3. **route** (`route_to_owners`) — one all-to-all with uneven splits sends each merged token's features (merged
+   and every deepstack level side by side) to the rank that holds its placeholder token. Its backward is the
+   reverse exchange: each rank back-propagates the complete gradient of the features it encoded, and the vision
+   parameters' gradients summed over the group equal P=1.
 
-Either gather's backward sums the gradient over the group and keeps this rank's block: each rank
-back-propagates the complete gradient of its own outputs, and the vision parameters' gradients summed over
-the group equal P=1. A rank with no unit still joins every collective: it runs the tower on a
-one-merged-token placeholder (the model's dtype; gradient exactly zero) so that data-parallel wrappers
-that gather or reduce the tower's weights see the same module calls on every rank.
+A rank with nothing to encode still joins every collective: it runs the tower on a one-merged-token placeholder
+(the model's dtype; gradient exactly zero) so that data-parallel wrappers that gather or reduce the tower's
+weights see the same module calls on every rank. No rank holds a feature of a token outside its slice.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import gather_sum_grad
+from ..collectives import exchange_rows
 from ..context import CTX_KWARG, CPContext, current_cp_forward
 from ..distributed import CPGroup
+from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
 from ..layout import assign_to_ranks, round_up, segments_from_lengths, split_into_units
 from ..settings import SETTINGS
 from ..stats import STATS
@@ -40,6 +47,9 @@ from .arguments import call_arguments
 
 # Items balance when the busiest rank carries at most this much more than a perfect split.
 BALANCED = 1.1
+# Keyword arguments that precompute per-patch tables for the whole batch: under CP each rank computes those of
+# its own share from its grid instead (they are functions of the grid).
+WHOLE_BATCH_TABLES = ("interp_indices", "interp_weights", "position_ids", "cu_seqlens", "max_seqlen")
 
 
 def placeholder_vision_inputs(vision_config, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +62,7 @@ def placeholder_vision_inputs(vision_config, device, dtype) -> tuple[torch.Tenso
 
 @dataclass(frozen=True)
 class VisionShare:
-    """The vision units of one forward and the rank each is encoded on."""
+    """The vision units of one forward (whole items, or temporal patch groups) and the rank each is encoded on."""
 
     units: list[tuple[int, int, int, int, int]]  # (first patch, patches, frames, height, width), in order
     ranks: list[int]
@@ -78,9 +88,6 @@ class VisionShare:
             loads[rank] += patches
         return loads
 
-    def merged_per_rank(self) -> list[int]:
-        return [n // self.merge_unit for n in self.patches_per_rank()]
-
     def balanced(self) -> bool:
         loads = self.patches_per_rank()
         return max(loads) * self.size <= BALANCED * sum(loads)
@@ -92,15 +99,11 @@ class VisionShare:
     def local_grid(self, rank: int, device) -> torch.Tensor:
         return torch.tensor([self.units[i][2:] for i in self.mine(rank)], device=device)
 
-    def gathered_to_original(self, device) -> torch.Tensor:
-        """Index into the gathered rows (blocks in rank order) of each merged token in the original order."""
-        starts, position = {}, 0
-        for rank in range(self.size):
-            for i in self.mine(rank):
-                starts[i] = position
-                position += self.units[i][1] // self.merge_unit
-        order = [torch.arange(starts[i], starts[i] + u[1] // self.merge_unit) for i, u in enumerate(self.units)]
-        return torch.cat(order).to(device)
+    def held(self, rank: int) -> torch.Tensor:
+        """The merged tokens (indices in the modality's token order) rank `rank` encodes, in its output order."""
+        spans = [torch.arange(self.units[i][0], self.units[i][0] + self.units[i][1], self.merge_unit) // self.merge_unit
+                 for i in self.mine(rank)]
+        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 
 
 def _features(out) -> list[torch.Tensor]:
@@ -108,83 +111,157 @@ def _features(out) -> list[torch.Tensor]:
 
 
 def _joined_features(out) -> torch.Tensor:
-    """The merged features and every deepstack level side by side: one tensor, one gather."""
+    """The merged features and every deepstack level side by side: one tensor, one exchange."""
     return torch.cat(_features(out), dim=-1)
 
 
-def _with_features(out, joined: torch.Tensor):
-    """`out` with its features replaced by the columns of `joined` (laid out as `_joined_features`)."""
-    features = joined.split([f.shape[-1] for f in _features(out)], dim=-1)
-    fields = {"pooler_output": features[0]}
-    if getattr(out, "deepstack_features", None) is not None:
-        fields["deepstack_features"] = list(features[1:])
-    return type(out)(**fields)
+def _tower_placement(tower) -> dict:
+    """Where and in which dtype the tower computes: its share of pixel rows is copied there once."""
+    return {"device": next(tower.parameters()).device, "dtype": tower.dtype}
 
 
-def encode_items(wrapped, tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionShare, cp: CPGroup,
-                 kwargs: dict):
-    """The tower's output for all items, each rank encoding its share of whole items (module docstring)."""
+def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionShare, cp: CPGroup,
+                 kwargs: dict) -> tuple[object, torch.Tensor]:
+    """(tower output, joined features) of this rank's whole items and temporal groups (module docstring)."""
+    placement = _tower_placement(tower)
     if share.mine(cp.rank):
-        out = wrapped(pixels.index_select(0, share.local_patches(cp.rank, pixels.device)),
-                      grid_thw=share.local_grid(cp.rank, grid.device), **kwargs)
-        local = _joined_features(out)
+        local = pixels.index_select(0, share.local_patches(cp.rank, pixels.device)).to(**placement)
+        out = tower(local, grid_thw=share.local_grid(cp.rank, placement["device"]), **kwargs)
+        joined = _joined_features(out)
     else:
-        # The placeholder's rows are sliced away; the empty slice keeps its backward (and the gather's
-        # all-reduce) running on this rank, with a zero gradient.
-        out = wrapped(*placeholder_vision_inputs(tower.config, pixels.device, pixels.dtype), **kwargs)
-        local = _joined_features(out)[:0]
-    full = gather_sum_grad(local, 0, share.merged_per_rank(), cp.group, cp.rank)
-    full = full.index_select(0, share.gathered_to_original(full.device))
+        # The placeholder's rows are dropped; the empty selection keeps its backward (and the exchange) running on
+        # this rank, with a zero gradient.
+        out = tower(*placeholder_vision_inputs(tower.config, **placement), **kwargs)
+        joined = _joined_features(out)[:0]
     STATS.record_vision(share.patches_per_rank(), cp.rank)
-    return _with_features(out, full)
+    return out, joined
 
 
-def _patch_tables(tower, grid: torch.Tensor, padded: int) -> dict:
+def _patch_tables(tower, grid: torch.Tensor, rows: slice) -> dict:
     """What the tower computes from `grid_thw` for every patch (position-embedding interpolation, rotary
-    positions), for all patches padded to `padded` rows: the tower takes them precomputed."""
+    positions), for the patch rows `rows` of all items (rows past the last patch: zeros); computed from the items
+    those rows overlap only."""
     vision_utils = sys.modules[type(tower).__module__]
+    sizes = grid.prod(-1).tolist()
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    first = next((i for i, end in enumerate(ends) if end > rows.start), len(sizes) - 1)
+    last = next((i for i, end in enumerate(ends) if end >= rows.stop), len(sizes) - 1)
+    offset = ends[first] - sizes[first]
+    overlapping = grid[first : last + 1]
     indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
-        grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+        overlapping, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
         align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size,
     )
-    positions = vision_utils.get_vision_position_ids(grid, tower.spatial_merge_size)
-    extra = padded - indices.shape[0]
-    pad = lambda t: torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) if extra else t  # noqa: E731
-    return {"interp_indices": pad(indices), "interp_weights": pad(weights), "position_ids": pad(positions)}
+    positions = vision_utils.get_vision_position_ids(overlapping, tower.spatial_merge_size)
+    start = min(rows.start - offset, indices.shape[0])
+    stop = min(rows.stop - offset, indices.shape[0])
+    length = rows.stop - rows.start
+
+    def cut(t):
+        t = t[start:stop]
+        return torch.cat([t, t.new_zeros(length - t.shape[0], *t.shape[1:])]) if t.shape[0] < length else t
+
+    return {"interp_indices": cut(indices), "interp_weights": cut(weights), "position_ids": cut(positions)}
 
 
-def encode_patch_slices(wrapped, tower, pixels: torch.Tensor, grid: torch.Tensor, cp: CPGroup, kwargs: dict):
-    """The tower's output for all items, each rank encoding one contiguous slice of all their patches, its
-    attention exchanging sequence for heads within each image's segments (module docstring)."""
+def slices_held(merged: int, size: int) -> list[torch.Tensor]:
+    """The merged tokens each rank encodes by patch slices: equal contiguous runs (the last one short)."""
+    per_rank = round_up(merged, size) // size
+    return [torch.arange(r * per_rank, min((r + 1) * per_rank, merged)) for r in range(size)]
+
+
+def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, cp: CPGroup,
+                        kwargs: dict) -> tuple[object, torch.Tensor]:
+    """(tower output, joined features of the merged tokens `slices_held` gives this rank) of one contiguous slice
+    of all items' patches, the tower's attention exchanging sequence for heads within each image's segments
+    (module docstring)."""
     unit = tower.spatial_merge_size**2
     frames = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]).tolist()
     merged = sum(frames) // unit
     padded = round_up(merged, cp.size) * unit  # whole merged tokens on every rank
     lengths = frames + ([padded - sum(frames)] if padded > sum(frames) else [])
     vision_ctx = CPContext(cp=cp, segments=segments_from_lengths(lengths))  # attention within each segment
-    rows = vision_ctx.local_slice
-    tables = {k: v[rows] for k, v in _patch_tables(tower, grid, padded).items()}
-    # A copy of this rank's rows: a view would keep the whole padded pixel tensor alive until backward.
-    local_pixels = torch.cat([pixels, pixels.new_zeros(padded - pixels.shape[0], pixels.shape[1])])[rows].clone()
-    local_len = vision_ctx.local_len
-    cu = torch.tensor([0, local_len], dtype=torch.int32, device=pixels.device)  # one local segment: the
-    out = wrapped(local_pixels, grid_thw=grid, cu_seqlens=cu, max_seqlen=local_len,  # exchange restores the
-                  **tables, **kwargs, **{CTX_KWARG: vision_ctx})  # global ones
-    local = _joined_features(out)
-    full = gather_sum_grad(local, 0, [local.shape[0]] * cp.size, cp.group, cp.rank).narrow(0, 0, merged)
+    rows, local_len = vision_ctx.local_slice, vision_ctx.local_len
+    placement = _tower_placement(tower)
+    real = pixels[rows.start : min(rows.stop, pixels.shape[0])].to(**placement)
+    local = torch.cat([real, real.new_zeros(local_len - real.shape[0], real.shape[1])]) if real.shape[0] < local_len \
+        else real
+    tables = {k: v.to(placement["device"]) for k, v in _patch_tables(tower, grid, rows).items()}
+    cu = torch.tensor([0, local_len], dtype=torch.int32, device=placement["device"])  # one local segment: the
+    out = tower(local, grid_thw=grid.to(placement["device"]), cu_seqlens=cu, max_seqlen=local_len,  # exchange
+                **tables, **kwargs, **{CTX_KWARG: vision_ctx})  # restores the global ones
     STATS.record_vision([min(local_len, max(0, sum(frames) - r * local_len)) for r in range(cp.size)], cp.rank)
-    return _with_features(out, full)
+    return out, _joined_features(out)[: slices_held(merged, cp.size)[cp.rank].numel()]
 
 
-def cp_vision_forward(wrapped, instance, args, kwargs):
-    """The vision tower's forward: inside a CP forward with vision data parallelism on, each rank encodes its
-    share (by items when they balance, else by patch slices); otherwise the stock forward."""
+def route_to_owners(local: torch.Tensor, held: list[torch.Tensor], owner: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """The features (rows of `local`, one per merged token rank `cp.rank` encoded, in `held[cp.rank]` order) sent
+    to the ranks whose slices hold their tokens: returns the rows of this rank's tokens, in token order.
+
+    `held[r]`: the merged tokens rank r encoded (every token exactly once over the ranks); `owner[k]`: the rank
+    whose slice holds token k."""
+    destination = owner[held[cp.rank]]
+    send_order = torch.argsort(destination, stable=True)
+    send_counts = torch.bincount(destination, minlength=cp.size).tolist()
+    arriving = [tokens[owner[tokens] == cp.rank] for tokens in held]  # from each rank, in its send order
+    received = exchange_rows(local.index_select(0, send_order.to(local.device)), send_counts,
+                             [t.numel() for t in arriving], cp.group)
+    return received.index_select(0, torch.argsort(torch.cat(arriving)).to(received.device))
+
+
+def features_of_slice(tower, pixels: torch.Tensor, grid: torch.Tensor, tokens: torch.Tensor, ctx: CPContext,
+                      kwargs: dict) -> tuple[object, torch.Tensor]:
+    """(tower output, joined features of the placeholder tokens in this rank's slice, in order). `tokens`: the row
+    positions of this modality's placeholder tokens."""
+    cp = ctx.cp
+    owner = (tokens // ctx.local_len).cpu()
+    if not SETTINGS.vision_dp:
+        placement = _tower_placement(tower)
+        out = tower(pixels.to(**placement), grid_thw=grid.to(placement["device"]), **kwargs)
+        mine = (owner == cp.rank).nonzero().flatten()
+        joined = _joined_features(out)
+        return out, joined.index_select(0, mine.to(joined.device))
+    share = VisionShare.of(grid.tolist(), tower.spatial_merge_size, cp.size)
+    if share.balanced() or tower.config.num_heads % cp.size:  # patch slices split the tower's heads
+        out, local = encode_items(tower, pixels, grid, share, cp, kwargs)
+        held = [share.held(r) for r in range(cp.size)]
+    else:
+        out, local = encode_patch_slices(tower, pixels, grid, cp, kwargs)
+        held = slices_held(owner.numel(), cp.size)
+    return out, route_to_owners(local, held, owner, cp)
+
+
+def _split_joined(out, joined: torch.Tensor, deepstack_per_item: bool):
+    """The tower's output class holding `joined`'s columns as one item: the merged features and each deepstack
+    level (each level a one-item tuple where the installed release splits them per item)."""
+    widths = [f.shape[-1] for f in _features(out)]
+    merged, *levels = joined.split(widths, dim=-1)
+    fields = {"pooler_output": (merged,)}
+    if getattr(out, "deepstack_features", None) is not None:
+        fields["deepstack_features"] = [(level,) if deepstack_per_item else level for level in levels]
+    return type(out)(**fields)
+
+
+def cp_image_features(wrapped, instance, args, kwargs, deepstack_per_item: bool = False):
+    """A multimodal model's `get_image_features` (a wrapt wrapper). Inside a CP forward (P > 1, real pixels, not
+    a placeholder pass) it returns the features of this rank's placeholder tokens as one item (module docstring);
+    `deepstack_per_item`: the installed release's forward expects the deepstack levels split per item.
+    Everywhere else, the stock method."""
     ctx = current_cp_forward()
-    if ctx is None or ctx.cp.size == 1 or not SETTINGS.vision_dp:
+    modality = "video" if ENCODING_VIDEO.get() else "image"
+    if ctx is None or ctx.cp.size == 1 or modality in VISION_PLACEHOLDERS.get():
         return wrapped(*args, **kwargs)
     call = call_arguments(wrapped, args, kwargs)
-    pixels, grid = call.pop("hidden_states"), call.pop("grid_thw")
-    share = VisionShare.of(grid.tolist(), instance.spatial_merge_size, ctx.cp.size)
-    if share.balanced() or instance.config.num_heads % ctx.cp.size:  # patch slices split the tower's heads
-        return encode_items(wrapped, instance, pixels, grid, share, ctx.cp, call)
-    return encode_patch_slices(wrapped, instance, pixels, grid, ctx.cp, call)
+    pixels, grid = call.pop("pixel_values"), call.pop("image_grid_thw")
+    return_dict = call.pop("return_dict", True)
+    for name in WHOLE_BATCH_TABLES:
+        call.pop(name, None)
+    out, joined = features_of_slice(instance.visual, pixels, grid, ctx.vision_tokens[modality], ctx, call)
+    out = _split_joined(out, joined, deepstack_per_item)
+    return out if return_dict else out.to_tuple()
+
+
+def cp_video_features(wrapped, instance, args, kwargs):
+    """`get_video_features` hands the videos to `get_image_features`: mark them as videos on the way."""
+    with scoped(ENCODING_VIDEO, True):
+        return wrapped(*args, **kwargs)

@@ -2,27 +2,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from ..forward.arguments import CACHE_KEYWORDS
 from ..forward.decoder import text_model_forward
 from ..forward.top_level import cp_top_level_forward
-from ..forward.vision import cp_vision_forward
-from ..patching import Patch
+from ..forward.vision import cp_image_features, cp_video_features
+from ..patching import Patch, source_digest
 from ..supported import Family
 
 TOP_LEVEL_PARAMS = ("input_ids", "attention_mask", "position_ids", CACHE_KEYWORDS, "labels", "logits_to_keep")
 
 
-def family_patches(family: Family, text_params: tuple, cut_family_inputs: Callable | None = None) -> list[Patch]:
-    """The top-level forward(s), the text decoder forward (with the family's own per-token inputs cut by
-    `cut_family_inputs`) and the vision tower forward of `family`."""
+@dataclass(frozen=True)
+class ImageFeatures:
+    """A family's `get_image_features` as the CP path replaces it: the pinned digests of the upstream source with
+    the releases each was checked on, and those whose forward expects the deepstack levels split per item."""
+
+    digests: Mapping[str, str]
+    deepstack_per_item: frozenset[str] = frozenset()
+
+
+def family_patches(family: Family, text_params: tuple, image_features: ImageFeatures | None = None) -> list[Patch]:
+    """The top-level forward(s) and the text decoder forward of `family`, and — for a multimodal family — its
+    multimodal model's `get_image_features` / `get_video_features` (vision under CP, `forward/vision.py`)."""
     patches = [
         Patch(
             target=family.target(cls, "forward"),
             wrapper=cp_top_level_forward,
             reason="under CP (and for packed rows): check and agree before compute, lay the batch out as one packed "
-            "row, run vision / placement / mRoPE on the whole row, then the chunked loss or gathered logits",
+            "row and cut it to this rank's slice, run the backbone on the slice, then the chunked loss or gathered "
+            "logits",
             expects=TOP_LEVEL_PARAMS,
         )
         for cls in family.top_level
@@ -30,20 +42,39 @@ def family_patches(family: Family, text_params: tuple, cut_family_inputs: Callab
     patches.append(
         Patch(
             target=family.target(family.text_model, "forward"),
-            wrapper=text_model_forward(cut_family_inputs),
-            reason="under CP: cut embeddings, mRoPE positions (and the family's per-token inputs) to this rank's "
-            "slice and hand the CP context to the decoder layers",
+            wrapper=text_model_forward,
+            reason="under CP: run the decoder layers on this rank's slice, the CP context handed down to them",
             expects=text_params,
         )
     )
-    if family.vision_model is not None:
-        patches.append(
-            Patch(
-                target=family.target(family.vision_model, "forward"),
-                wrapper=cp_vision_forward,
-                reason="under CP: each rank encodes its share of the images and video frames; the features are "
-                "gathered back in order (vision data parallelism, VLMCP_VISION_DP)",
-                expects=("hidden_states", "grid_thw"),
-            )
-        )
+    if family.multimodal_model is not None and image_features is not None:
+        patches += _vision_patches(family, image_features)
     return patches
+
+
+@functools.cache
+def _deepstack_per_item(model_class: type, digests: frozenset[str]) -> bool:
+    return source_digest(model_class.get_image_features) in digests
+
+
+def _vision_patches(family: Family, image_features: ImageFeatures) -> list[Patch]:
+    def get_image_features(wrapped, instance, args, kwargs):
+        per_item = _deepstack_per_item(type(instance), image_features.deepstack_per_item)
+        return cp_image_features(wrapped, instance, args, kwargs, deepstack_per_item=per_item)
+
+    return [
+        Patch(
+            target=family.target(family.multimodal_model, "get_image_features"),
+            wrapper=get_image_features,
+            reason="under CP: each rank encodes its share of the images and video frames, and each feature goes to "
+            "the rank whose slice holds its placeholder token (vision data parallelism, VLMCP_VISION_DP)",
+            expects=("pixel_values", "image_grid_thw"),
+            mirrors=image_features.digests,
+        ),
+        Patch(
+            target=family.target(family.multimodal_model, "get_video_features"),
+            wrapper=cp_video_features,
+            reason="under CP: get_video_features hands the videos to get_image_features; mark them as videos",
+            expects=("pixel_values_videos", "video_grid_thw"),
+        ),
+    ]

@@ -4,8 +4,8 @@ Sharding the sequence would restart the DeltaNet conv and recurrent state at eve
 like Ulysses for softmax attention, each rank takes the whole sequence for a share of the heads:
 
 1. projections on the local tokens (q/k/v channels, z, the per-head gate inputs b and a);
-2. all-to-all of q, k, v from sequence-sharded to head-sharded; all-gather of the small gate inputs
-   (reduce-scattered in backward), then the gates beta and g of this rank's heads;
+2. all-to-all of q, k, v and the gate inputs from sequence-sharded to head-sharded, then the gates beta and g
+   of this rank's heads;
 3. the depthwise causal conv on this rank's channels only, with the matching rows of the conv weight;
 4. the gated delta rule for this rank's heads over the whole row, reset at every packed sample;
 5. all-to-all back, then gated norm and output projection on the local tokens.
@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.heads import BSHD, kv_replication
-from ..collectives import all_to_all, gather_sum_grad
+from ..collectives import all_to_all
 from ..context import CTX_KWARG, CPContext
 from ..forward.arguments import call_arguments
 from ..patching import Patch, source_digest
 from ..supported import Family, register
-from .base import family_patches
+from .base import ImageFeatures, family_patches
 
 FAMILIES = register(
     Family(
@@ -56,6 +56,13 @@ GATED_DELTANET_FORWARD = {
     "08cf65a63ca582a2": "transformers>=5.24,<5.25",
 }
 FORWARD_REPEATS_KEY_HEADS = {"bd25761e1031fff0", "43718d6c3e7255e6"}
+# Digests of the upstream Qwen3_5Model.get_image_features (the same in the MoE module) that the CP path replaces
+# (`forward/vision.py`), with the releases each was checked on.
+IMAGE_FEATURES = ImageFeatures(digests={
+    "6727c329a5f160b1": "transformers>=5.16,<5.18",
+    "f025aaaa71a69cd7": "transformers>=5.18,<5.23",
+    "70b336d6aa3c2cfd": "transformers>=5.23,<5.25",
+})
 
 
 def _takes_packed_sequences(fn) -> bool:
@@ -125,21 +132,18 @@ def _heads_over_whole_sequence(layer, mixed: torch.Tensor, share: _HeadShare, ct
 
 
 def _gates(layer, b: torch.Tensor, a: torch.Tensor, share: _HeadShare, ctx: CPContext):
-    """beta and g of this rank's heads over the whole sequence.
+    """beta and g of this rank's heads over the whole (padded) sequence.
 
-    The gate inputs are only 2 x value-heads numbers per token: they are all-gathered (their gradient
-    reduce-scattered back) and this rank's heads kept before the elementwise gates, so only those are
-    saved for backward. Per element the arithmetic is stock's, and A_log and dt_bias still accumulate each
-    head's gradient in one reduction over the whole sequence, on the rank that holds the head.
+    The gate inputs (one number per value head and token each) take the same exchange as q, k and v: sequence
+    for heads, so only this rank's heads of them are ever held. Per element the arithmetic is stock's, and
+    A_log and dt_bias still accumulate each head's gradient in one reduction over the whole sequence, on the
+    rank that holds the head.
     """
-    group, size, rank = ctx.cp.group, ctx.cp.size, ctx.cp.rank
-    counts = [ctx.local_len] * size
     heads = slice(share.value_heads[0], share.value_heads[-1] + 1)
-    b, a = (gather_sum_grad(t, BSHD.seq, counts, group, rank).narrow(BSHD.seq, 0, ctx.seq_len)[..., heads]
-            for t in (b, a))
+    b, a = (all_to_all(t, BSHD.heads, BSHD.seq, ctx.cp.group, ctx.cp.size) for t in (b, a))
     beta = b.sigmoid()
     g = -layer.A_log[heads].float().exp() * F.softplus(a.float() + layer.dt_bias[heads])
-    return ctx.pad(beta, dim=BSHD.seq), ctx.pad(g, dim=BSHD.seq)
+    return beta, g
 
 
 def _segment_ids(ctx: CPContext, device) -> torch.Tensor:
@@ -216,7 +220,7 @@ def cp_gated_deltanet_forward(wrapped, instance, args, kwargs):
 def patches() -> list[Patch]:
     out = []
     for family in FAMILIES:
-        out += family_patches(family, TEXT_MODEL_PARAMS)
+        out += family_patches(family, TEXT_MODEL_PARAMS, IMAGE_FEATURES)
         prefix = family.text_model.removesuffix("TextModel")
         out.append(
             Patch(

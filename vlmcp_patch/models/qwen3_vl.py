@@ -2,15 +2,15 @@
 
 Qwen3-VL adds vision features of several tower depths ("deepstack") to the hidden states of its visual
 tokens in the first decoder layers: one row per visual token, in (batch, sequence) order. Under CP each
-rank keeps the rows of the visual tokens inside its slice.
+rank receives the merged and deepstack features of the visual tokens inside its slice only (`forward/vision.py`),
+and stock's placement builds the rows of that slice.
 """
 
 from __future__ import annotations
 
-from ..context import CPContext
 from ..patching import Patch
 from ..supported import Family, register
-from .base import family_patches
+from .base import ImageFeatures, family_patches
 
 FAMILIES = register(
     Family("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "Qwen3VLTextModel", "Qwen3VLModel", "Qwen3VLVisionModel"),
@@ -20,22 +20,18 @@ FAMILIES = register(
     ),
 )
 TEXT_MODEL_PARAMS = ("inputs_embeds", "position_ids", "visual_pos_masks", "deepstack_visual_embeds")
-
-
-def cut_deepstack_rows(call: dict, ctx: CPContext) -> None:
-    """This rank's slice of the visual mask, and the deepstack rows of the visual tokens inside it."""
-    mask = call.get("visual_pos_masks")
-    if mask is None:
-        return
-    full = ctx.pad(mask, dim=1, value=False)
-    row_of_token = (full.flatten().cumsum(0) - 1).view_as(full)  # deepstack row of each visual token
-    local_mask = full[:, ctx.local_slice]
-    rows = row_of_token[:, ctx.local_slice][local_mask]
-    call["visual_pos_masks"] = local_mask
-    embeds = call.get("deepstack_visual_embeds")
-    if embeds is not None:
-        call["deepstack_visual_embeds"] = [level[rows.to(level.device)] for level in embeds]
+# Digests of the upstream Qwen3VLModel.get_image_features (the same in the MoE module) that the CP path replaces
+# (`forward/vision.py`), with the releases each was checked on. Those in `deepstack_per_item` split the
+# deepstack levels per image like the merged features; the older ones hand each level over whole.
+IMAGE_FEATURES = ImageFeatures(
+    digests={
+        "357792d495a52163": "transformers>=5.16,<5.18",
+        "7cfd1145855212c0": "transformers>=5.18,<5.23",
+        "cff98fb9fd0127c7": "transformers>=5.23,<5.25",
+    },
+    deepstack_per_item=frozenset({"7cfd1145855212c0", "cff98fb9fd0127c7"}),
+)
 
 
 def patches() -> list[Patch]:
-    return [patch for family in FAMILIES for patch in family_patches(family, TEXT_MODEL_PARAMS, cut_deepstack_rows)]
+    return [patch for family in FAMILIES for patch in family_patches(family, TEXT_MODEL_PARAMS, IMAGE_FEATURES)]

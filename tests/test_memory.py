@@ -1,0 +1,33 @@
+"""What a rank holds under CP: nothing proportional to the whole row beyond the contract's small integer tensors.
+
+At P=4 with gradient checkpointing (decoder layers and vision blocks), every tensor an operator creates during one
+forward + backward is recorded. None may be a float tensor that has a whole-row length (the row's tokens, padded or
+not, its vision tokens of either modality or both, or its vision patches) and is wider per token than the widest
+head-sharded tensor (an exchanged q, k, v or DeltaNet conv input holds the whole row for 1/P of its heads). A
+whole-row hidden state, a copy of all pixel rows or the features of every image would be caught: the control
+gathers the features before keeping its own, as the previous release did.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.harness import run_distributed
+from tests.helpers.memory_cases import allocations
+
+
+@pytest.mark.parametrize("family,sample", [("qwen3_vl", "images"), ("qwen3_5", "video")])
+def test_no_rank_allocates_anything_of_the_whole_row(family, sample):
+    for rank, res in enumerate(run_distributed(allocations, 4, family, sample, timeout=600)):
+        # The rule has teeth: a hidden state and a pixel row are wider than any head-sharded tensor, and no length of
+        # the whole row is the rank's own slice length.
+        assert res["hidden"] > res["limit"] and res["pixel_width"] > res["limit"]
+        assert res["local"] not in res["lengths"].values()
+        assert res["created"] > 1000, "the probe saw the step"
+        assert res["offending"] == [], f"rank {rank}: {res['offending'][:5]}"
+
+
+def test_the_probe_catches_features_gathered_for_every_token():
+    for res in run_distributed(allocations, 4, "qwen3_vl", "images", True, timeout=600):
+        tokens = res["lengths"]["image tokens"]
+        assert any(tokens in shape for shape, _, _ in res["offending"]), res["offending"][:5]
