@@ -25,6 +25,8 @@ SETUPS = {
     "deltanet_mask_with_holes": ("CPInputError", "holes"),
     "deltanet_rows_restarting": ("CPInputError", "restart inside a row"),
     "labels_on_padding": ("CPInputError", "labels at padding positions"),
+    "script_attention_computing_itself": ("UnsupportedSetupError", "calls neither transformers' attention functions"),
+    "script_flash_attention_bound_before_import": ("UnsupportedSetupError", "as bound before `import vlmcp_patch`"),
 }
 # Malformed batches: stock fails inside its compute (under CP on one rank only, the others would wait);
 # here every rank raises before compute, and at P=1 stock's own error (or, for a packed row, ours) remains.

@@ -98,13 +98,14 @@ def test_vision_units_cover_every_patch_once_in_order(grid, size):
     share = VisionShare.of(grid, merge=2, size=size)
     patches = torch.cat([share.local_patches(r, "cpu") for r in range(size) if share.mine(r)])
     assert sorted(patches.tolist()) == list(range(sum(t * h * w for t, h, w in grid)))
-    order = share.gathered_to_original("cpu")
-    assert sorted(order.tolist()) == list(range(order.numel()))
-    # The gather concatenates the ranks' merged tokens in rank order; reordered by gathered_to_original, the
-    # merged token at each place must be the one at that place in the original order.
-    gathered = torch.cat([share.local_patches(r, "cpu") for r in range(size) if share.mine(r)])
-    merged_in_gather_order = gathered[:: share.merge_unit] // share.merge_unit
-    assert torch.equal(merged_in_gather_order[order], torch.arange(order.numel()))
+    # Each rank's tower output holds one merged token per `merge_unit` of its patches, in the order of its units:
+    # `held` names them, and over all ranks every merged token is held exactly once (the feature exchange relies
+    # on it).
+    for rank in range(size):
+        mine = share.local_patches(rank, "cpu") if share.mine(rank) else torch.zeros(0, dtype=torch.long)
+        assert torch.equal(share.held(rank), mine[:: share.merge_unit] // share.merge_unit)
+    held = torch.cat([share.held(r) for r in range(size)])
+    assert sorted(held.tolist()) == list(range(sum(t * h * w for t, h, w in grid) // share.merge_unit))
     units = split_into_units([t * h * w for t, h, w in grid], [t for t, _, _ in grid], size)
     assert [u[0] for u in units] == sorted(u[0] for u in units)
 

@@ -12,6 +12,7 @@ from .compat import UntestedVersionWarning, check_transformers_version, warn_if_
 check_transformers_version()
 
 from . import models as _models  # noqa: E402
+from .attention import flash as _flash  # noqa: E402
 from .attention import registry as _attention_registry  # noqa: E402
 from .distributed import (  # noqa: E402
     data_parallel_rank,
@@ -43,6 +44,7 @@ __version__ = "0.2.0"
 PATCHES.add(
     GENERATE_PATCH,
     *_attention_registry.patches(),
+    *_flash.patches(),
     *_models.patches(),
     *_vision_placeholder.patches(),
     *_accelerate.patches(),

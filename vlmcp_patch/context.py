@@ -72,6 +72,8 @@ class CPContext:
     # Row positions (1D, ascending) of each modality's placeholder tokens ("image", "video"): the vision features
     # go to the rank whose slice holds their token (`forward.vision`).
     vision_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The caller's 1D cumulative-lengths mask of a packed row, as given: a script's own attention layers read it.
+    cumulative_lengths: torch.Tensor | None = None
     decoder_entered: bool = False  # set once by the text decoder that takes this forward (`take_for_decoder`)
 
     @property

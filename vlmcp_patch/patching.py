@@ -32,7 +32,7 @@ import wrapt
 from .errors import PatchTargetError
 
 
-def _resolve(dotted: str):
+def resolve(dotted: str):
     """(parent object, attribute name, current value) of a dotted path like `pkg.mod.Class.attr`."""
     parts = dotted.split(".")
     for split in range(len(parts) - 1, 0, -1):
@@ -109,7 +109,7 @@ class Patch:
         return None if not self.mirrors else "; ".join(self.mirrors.values())
 
     def check(self) -> None:
-        _, name, current = _resolve(self.target)
+        _, name, current = resolve(self.target)
         original = getattr(current, "vlmcp_original", current)
         params = inspect.signature(_innermost(original, name)).parameters
         missing = [p for p in self.expects if not _takes(params, p)]
@@ -127,7 +127,7 @@ class Patch:
             )
 
     def apply(self) -> Callable[[], None]:
-        parent, name, current = _resolve(self.target)
+        parent, name, current = resolve(self.target)
         raw = inspect.getattr_static(parent, name)
         if _is_ours(current):
             return lambda: None
@@ -183,13 +183,13 @@ class PropertyPatch:
     requires: str | None = None
 
     def check(self) -> None:
-        parent, name, _ = _resolve(self.target)
+        parent, name, _ = resolve(self.target)
         raw = inspect.getattr_static(parent, name)
         if not isinstance(raw, property):
             raise PatchTargetError(f"patch target {self.target} in {_version_of(self.target)} is no longer a property")
 
     def apply(self) -> Callable[[], None]:
-        parent, name, _ = _resolve(self.target)
+        parent, name, _ = resolve(self.target)
         raw = inspect.getattr_static(parent, name)
         if _is_ours(raw):
             return lambda: None
@@ -213,7 +213,7 @@ class RegistryPatch:
         return f"{self.registry}[{self.key!r}]"
 
     def _mapping(self) -> dict:
-        _, _, interface = _resolve(self.registry)
+        _, _, interface = resolve(self.registry)
         mapping = getattr(interface, "_global_mapping", None)
         if not isinstance(mapping, dict) or not hasattr(interface, "register"):
             raise PatchTargetError(

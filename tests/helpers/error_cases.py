@@ -169,6 +169,49 @@ def deltanet_rows_restarting(rank):
     return q35_model(), batch, {"use_cache": False}
 
 
+def _script_attention(model, attend):
+    """`model` with its text attention's forward replaced, as a script does, by one that computes q, k, v itself and
+    hands them to `attend(q, k, v, module)` (heads first)."""
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as modeling
+
+    from vlmcp_patch.attention.foreign import text_attention_modules
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k = modeling.apply_rotary_pos_emb(q, k, *position_embeddings)
+        groups = q.shape[1] // k.shape[1]
+        out = attend(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), self)
+        return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
+
+    for module in text_attention_modules(model):
+        module.__class__ = type("ScriptAttention", (type(module),), {"forward": forward, "__module__": "a_script"})
+    return model
+
+
+@scenario
+def script_attention_computing_itself(rank):
+    def attend(q, k, v, module):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=module.scaling)
+
+    return _script_attention(vl_model(), attend), one_sample(), {}
+
+
+@scenario
+def script_flash_attention_bound_before_import(rank):
+    from tests.helpers.flash_standin import flash_attn_varlen_func  # the kernel itself, not the package's wrapper
+
+    def attend(q, k, v, module):
+        cu = torch.tensor([0, q.shape[2]], dtype=torch.int32)
+        out = flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+                                     q.shape[2], q.shape[2], causal=True, softmax_scale=module.scaling)
+        return out.transpose(0, 1)[None]
+
+    return _script_attention(vl_model(), attend), one_sample(), {}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Malformed batches: stock's compute would trip on them (on one rank only, under CP)
 

@@ -57,6 +57,10 @@ def install() -> None:
     flash_attn.flash_attn_func = flash_attn_func
     flash_attn.flash_attn_varlen_func = flash_attn_varlen_func
     flash_attn.flash_attn_with_kvcache = None
+    interface = types.ModuleType("flash_attn.flash_attn_interface")  # where flash-attn defines them
+    interface.flash_attn_func, interface.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    flash_attn.flash_attn_interface = interface
+    sys.modules["flash_attn.flash_attn_interface"] = interface
     padding = types.ModuleType("flash_attn.bert_padding")
     padding.pad_input, padding.unpad_input = fa_utils._pad_input, fa_utils._unpad_input
     flash_attn.bert_padding = padding

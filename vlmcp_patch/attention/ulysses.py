@@ -22,6 +22,7 @@ from ..distributed import cp_requested
 from ..errors import UnsupportedSetupError
 from ..settings import cp_size
 from ..supported import unsupported_model_message
+from .foreign import kernel_on_whole_sequence, record_exchange
 from .heads import BHSD, BSHD, kv_replication
 
 # Keyword arguments that describe the *local* sequence; under CP the global ones replace them.
@@ -72,7 +73,9 @@ def attention_over_cp(original, flavor: str, module, query, key, value, ctx: CPC
     local = _LocalHeads(module, q.shape[BHSD.heads] // k.shape[BHSD.heads])
     for name in _LOCAL_SEQUENCE_KWARGS:
         kwargs.pop(name, None)
-    out = _GLOBAL_CALL[flavor](original, local, q, k, v, ctx, kwargs)  # (B, S, H/P, D)
+    with kernel_on_whole_sequence():
+        out = _GLOBAL_CALL[flavor](original, local, q, k, v, ctx, kwargs)  # (B, S, H/P, D)
+    record_exchange(ctx)
     return all_to_all(out, BSHD.seq, BSHD.heads, group, size)  # (B, S/P, H, D)
 
 

@@ -18,8 +18,9 @@ The rules are derived from what stock transformers does with each input:
 * vision: grids of positive sizes divisible by the merge size, pixel rows matching the grids, as many image
   / video tokens as the grids give.
 
-A **packed row** in the documented convention takes the package's path at P=1 too (`is_packed_row`): its
-samples then run as if alone (per-sample mRoPE, attention and DeltaNet state restart at every sample).
+A **packed row** in the documented convention (`is_packed_row`) takes the package's path at P=1 too where stock's
+result would differ from its samples run alone (`stock_gets_packed_row_right`): its samples then run as if alone
+(per-sample mRoPE, attention and DeltaNet state restart at every sample).
 
 Each rule yields a `Problem` instead of raising: the ranks of a CP group first agree (one small collective,
 `agreement.py`) and then all raise together, so no rank is left waiting in a collective the others never
@@ -32,13 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.foreign import foreign_attention_problem
 from ..attention.heads import kv_replication
 from ..distributed import CPGroup
 from ..errors import CPInputError, UnsupportedSetupError
 from ..layout import Segment, starts_of
 from ..loss import IGNORE_INDEX, shifted_labels
 from ..settings import cp_size
-from .arguments import batch_reference, given_cache
+from .arguments import batch_reference, given_cache, has_vision
 from .positions import per_sample_mrope, stock_positions
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
@@ -100,10 +102,10 @@ class BatchPlan:
 def check_model_config(text_config, size: int) -> None:
     """Raise `UnsupportedSetupError` if a text config cannot run exactly at CP size `size`."""
     impl = text_config._attn_implementation
-    if impl not in SUPPORTED_ATTENTION:
+    if impl not in SUPPORTED_ATTENTION and not (size == 1 and impl == "eager"):  # eager: a packed row at P=1
         raise UnsupportedSetupError(
-            f"attn_implementation={impl!r} is not supported under CP (VLMCP_CP_SIZE={cp_size()}) or for "
-            "packed rows; load the model with attn_implementation='sdpa' or 'flash_attention_2'."
+            f"attn_implementation={impl!r} is not supported under CP (VLMCP_CP_SIZE={cp_size()}); load the model "
+            "with attn_implementation='sdpa' or 'flash_attention_2'."
         )
     kv_replication(text_config.num_attention_heads, text_config.num_key_value_heads, size, "softmax attention")
     if has_deltanet(text_config):
@@ -124,6 +126,9 @@ def setup_problem(model, cp: CPGroup, call: dict) -> Problem | None:
         check_model_config(text_config, cp.size)
     except UnsupportedSetupError as exc:
         return Problem(UnsupportedSetupError, str(exc))
+    foreign = foreign_attention_problem(model) if cp.size > 1 else None  # at P=1 it sees the whole row
+    if foreign is not None:
+        return Problem(UnsupportedSetupError, foreign)
     if given_cache(call) is not None:
         return Problem(
             UnsupportedSetupError,
@@ -163,9 +168,10 @@ def text_positions(call: dict) -> torch.Tensor | None:
     return positions[0] if positions.shape[0] == 4 else None
 
 
-def _cumulative_lengths_mask(call: dict) -> bool:
+def cumulative_lengths_mask(call: dict) -> bool:
+    """Whether the call's `attention_mask` holds the 1D cumulative sample lengths of a packed row."""
     mask = call.get("attention_mask")
-    return mask is not None and mask.ndim == 1 and not mask.is_floating_point() and mask.dtype != torch.bool
+    return torch.is_tensor(mask) and mask.ndim == 1 and not mask.is_floating_point() and mask.dtype != torch.bool
 
 
 def is_packed_row(call: dict) -> bool:
@@ -176,7 +182,7 @@ def is_packed_row(call: dict) -> bool:
     reference = batch_reference(call)
     if reference is None or reference.ndim < 2 or reference.shape[0] != 1:
         return False
-    if _cumulative_lengths_mask(call):
+    if cumulative_lengths_mask(call):
         return True
     if call.get("attention_mask") is not None:
         return False
@@ -185,6 +191,26 @@ def is_packed_row(call: dict) -> bool:
         return True
     cu = call.get("cu_seq_lens_q")
     return cu is not None and cu.numel() > 2
+
+
+def stock_gets_packed_row_right(model, call: dict) -> bool:
+    """Whether stock's forward on a packed row (`is_packed_row`) equals its samples run one by one — then the row
+    runs stock at P=1. Stock attends within each sample (flash-attention on its restarting positions or
+    `cu_seq_lens`; sdpa and eager on restarting positions when no KV cache is built), but it runs Qwen3.5's DeltaNet
+    layers across the samples, computes no per-sample 3D mRoPE for pictures from 2D text positions, and cannot read
+    the official fine-tuning script's cumulative-lengths mask."""
+    text = model.config.get_text_config()
+    if has_deltanet(text) or cumulative_lengths_mask(call):
+        return False
+    positions = call.get("position_ids")
+    if has_vision(call) and (positions is None or positions.ndim == 2):
+        return False
+    if text._attn_implementation == "flash_attention_2":
+        return True
+    use_cache = call.get("use_cache")
+    restarting = text_positions(call)
+    return not (text.use_cache if use_cache is None else use_cache) and restarting is not None and bool(
+        starts_of(restarting)[..., 1:].any())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -345,7 +371,7 @@ def _packed_row_starts(call: dict, seq: int) -> torch.Tensor:
     """(1, seq) bool sample starts of a packed row, from its text positions and / or cumulative lengths."""
     text = text_positions(call)
     starts = None if text is None else starts_of(text)
-    mask_cu = call["attention_mask"] if _cumulative_lengths_mask(call) else None
+    mask_cu = call["attention_mask"] if cumulative_lengths_mask(call) else None
     for name, cu in (("attention_mask", mask_cu), ("cu_seq_lens_q", call.get("cu_seq_lens_q"))):
         if cu is None:
             continue

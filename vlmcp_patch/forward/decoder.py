@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..context import CTX_KWARG, take_for_decoder
+from ..attention.foreign import carry_context_into_foreign_attention
+from ..context import CTX_KWARG, CPContext, take_for_decoder
 from ..distributed import cp_requested
 from ..errors import UnsupportedSetupError
 from ..settings import cp_size
@@ -19,12 +20,28 @@ def _three_rows(positions: torch.Tensor) -> torch.Tensor:
     return positions[1:] if positions.shape[0] == 4 else positions
 
 
-def decoder_inputs_of_slice(call: dict) -> None:
+def eager_block_mask(ctx: CPContext, dtype, device) -> torch.Tensor:
+    """(1, 1, S, S) additive mask: each token attends causally within its own sample. Eager attention reads no
+    sample boundaries from the context; it runs only for a packed row at P=1 (where S is the whole row)."""
+    segment = torch.repeat_interleave(torch.arange(len(ctx.attention_segments), device=device),
+                                      torch.tensor([b - a for a, b in ctx.attention_segments], device=device))
+    order = torch.arange(segment.numel(), device=device)
+    allowed = (segment[:, None] == segment[None, :]) & (order[:, None] >= order[None, :])
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None,
+                                                                                                               None]
+
+
+def decoder_inputs_of_slice(instance, call: dict, ctx: CPContext) -> None:
     """Rewrite the decoder's arguments (in place) for this rank's slice, which its inputs already are
     (`slicing.cut_to_slice`): positions as three mRoPE rows (no text row), so the stock decoder builds no
-    attention mask of its own on the slice (the context carries the sample boundaries); no cache under CP."""
+    attention mask of its own on the slice (the context carries the sample boundaries; eager attention gets them
+    as a mask); no cache under CP."""
     call["position_ids"] = _three_rows(call["position_ids"])
     call["attention_mask"] = None
+    if instance.config._attn_implementation == "eager":
+        embeds = call["inputs_embeds"] if call.get("inputs_embeds") is not None else None
+        call["attention_mask"] = eager_block_mask(ctx, instance.dtype if embeds is None else embeds.dtype,
+                                                  call["position_ids"].device)
     for name in CACHE_KEYWORDS:
         call.pop(name, None)
     call["use_cache"] = False
@@ -45,6 +62,8 @@ def text_model_forward(wrapped, instance, args, kwargs):
                                                                   cp_size()))
         return wrapped(*args, **kwargs)
     call = call_arguments(wrapped, args, kwargs)
-    decoder_inputs_of_slice(call)
+    decoder_inputs_of_slice(instance, call, ctx)
+    if carry_context_into_foreign_attention(instance) and ctx.cumulative_lengths is not None:
+        call["attention_mask"] = ctx.cumulative_lengths  # a script's own attention reads the caller's boundaries
     call[CTX_KWARG] = ctx
     return wrapped(**call)

@@ -32,7 +32,7 @@ from ..settings import SETTINGS
 from ..stats import STATS
 from .agreement import agree_on_batch
 from .arguments import call_arguments, pixels_on_device
-from .checks import is_packed_row, plan_batch, setup_problem
+from .checks import cumulative_lengths_mask, is_packed_row, plan_batch, setup_problem, stock_gets_packed_row_right
 from .rows import lay_out
 from .slicing import cut_to_slice
 
@@ -59,15 +59,16 @@ def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | Non
     cp = active_cp_group()
     packed = is_packed_row(call)
     if cp is None:
-        if not (packed or always):
-            return None  # P=1, not packed: exactly stock
-        cp = SINGLE_RANK  # P=1 packed row: the same path, no exchanges
+        if not (always or (packed and not stock_gets_packed_row_right(model, call))):
+            return None  # P=1: exactly stock
+        cp = SINGLE_RANK  # P=1 packed row stock gets wrong: the same path, no exchanges
     plan, problem = None, setup_problem(model, cp, call)
     if problem is None:
         plan, problem = plan_batch(model, call, packed)
     agree_on_batch(cp, problem, call, model)
+    cumulative = call["attention_mask"] if cumulative_lengths_mask(call) else None
     segments, rows = lay_out(call, plan)
-    ctx = CPContext(cp=cp, segments=segments, rows=rows)
+    ctx = CPContext(cp=cp, segments=segments, rows=rows, cumulative_lengths=cumulative)
     cut_to_slice(model, call, ctx)
     STATS.record(ctx)
     return ctx

@@ -1,0 +1,169 @@
+"""Ring attention across the Ulysses subgroups, for CP sizes beyond (or not dividing) the heads: P = U x R.
+
+After the all-to-all inside its Ulysses subgroup (`ulysses.py`) a rank holds, for its H/U heads, q, k and v of its
+subgroup's share of the row — two chunks of it in the zigzag layout (`layout.RingLayout`: subgroup g holds chunks
+g and 2R-1-g of 2R, so that every subgroup has as much causal work as the others). The R ranks that hold the same
+heads in the R subgroups form a ring. Each passes its k and v to the next one R-1 times, so that its queries meet
+every share of the row, and computes attention against each share it holds:
+
+* per block (this share's queries, one share's keys), the attention output and its log-sum-exp over those keys,
+  masked causally by row position and within each sample (packed rows, the rows of a padded batch, the CP padding
+  tail: a token attends only to earlier tokens of its own segment); blocks with nothing to attend are skipped;
+* the partial outputs merged exactly by their log-sum-exp: out = sum_b exp(lse_b - lse) out_b, lse = logsumexp_b
+  lse_b.
+
+Backward is the flash-attention backward of each block given the merged output and log-sum-exp (exact: with the
+merged log-sum-exp each block's probabilities are the true ones), with k and v passed around the ring again and
+their gradients travelling with them, one hop more to reach their owner.
+
+The block kernel is exact fp32 math in torch (`torch_block`: the CPU path, O(block²) memory per head), or flash-attn's
+varlen kernel with its log-sum-exp where it is installed (`flash_block`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class RingPeers:
+    """This rank's place in its ring: the ring's process group, its position in it, its size, and the global ranks
+    of the next and the previous member."""
+
+    group: object
+    index: int
+    size: int
+    next_rank: int
+    prev_rank: int
+
+
+def _pass_on(tensors: list[torch.Tensor], peers: RingPeers) -> list[torch.Tensor]:
+    """Send `tensors` to the next member of the ring and receive the previous member's (the same shapes)."""
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peers.next_rank, group=peers.group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, peers.prev_rank, group=peers.group) for r in received]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+def block_mask(q_pos: torch.Tensor, q_seg: torch.Tensor, k_pos: torch.Tensor, k_seg: torch.Tensor) -> torch.Tensor:
+    """(Tq, Tk) bool: query i may attend key j — same segment, key not after the query in the row."""
+    return (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def torch_block(q, k, v, allowed, scale):
+    """Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) under `allowed` (Tq, Tk): (out, lse (B, H, Tq)), fp32
+    math; a query with no key allowed gets out 0 and lse -inf."""
+    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0)[..., None])
+    return torch.matmul(probs, v.float()).to(q.dtype), lse
+
+
+def torch_block_backward(dout, q, k, v, out, lse, allowed, scale):
+    """Gradients (dq, dk, dv) of one block given the merged output and log-sum-exp (flash-attention's backward)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    ke, ve = _expand_kv(k, heads).float(), _expand_kv(v, heads).float()
+    scores = torch.matmul(q.float(), ke.transpose(-1, -2)) * scale
+    probs = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0)[..., None]).masked_fill(~allowed, 0)
+    dout = dout.float()
+    dv = torch.matmul(probs.transpose(-1, -2), dout)
+    dprobs = torch.matmul(dout, ve.transpose(-1, -2))
+    delta = (dout * out.float()).sum(-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * scale
+    dq = torch.matmul(dscores, ke)
+    dk = torch.matmul(dscores.transpose(-1, -2), q.float())
+    if kv_heads != heads:  # the gradient of a replicated KV head is the sum over its query group
+        dk = dk.unflatten(1, (kv_heads, -1)).sum(2)
+        dv = dv.unflatten(1, (kv_heads, -1)).sum(2)
+    return dq, dk, dv
+
+
+def merge(out, lse, block_out, block_lse):
+    """Two partial attentions of the same queries over disjoint keys, merged exactly by their log-sum-exp."""
+    if out is None:
+        return block_out.float(), block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    safe = merged.masked_fill(merged == NEG_INF, 0)
+    weight_old = torch.exp(lse - safe).masked_fill(lse == NEG_INF, 0)[..., None]
+    weight_new = torch.exp(block_lse - safe).masked_fill(block_lse == NEG_INF, 0)[..., None]
+    return out * weight_old + block_out.float() * weight_new, merged
+
+
+@dataclass(frozen=True)
+class Shares:
+    """Row positions and segment ids of every ring member's tokens (`positions[i]`, `segments[i]`, each (T,))."""
+
+    positions: list[torch.Tensor]
+    segments: list[torch.Tensor]
+
+    def allowed(self, mine: int, theirs: int) -> torch.Tensor:
+        return block_mask(self.positions[mine], self.segments[mine], self.positions[theirs], self.segments[theirs])
+
+
+class _RingAttention(torch.autograd.Function):
+    """Softmax attention of this member's queries over the whole ring's keys (module docstring). q (B, H, T, D); k,
+    v (B, Hkv, T, D), every member's T the same."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn):
+        out = lse = None
+        held_k, held_v = k, v
+        for step in range(peers.size):
+            owner = (peers.index - step) % peers.size
+            if step < peers.size - 1:
+                incoming = _pass_on([held_k, held_v], peers)
+            allowed = shares.allowed(peers.index, owner)
+            if bool(allowed.any()):
+                block_out, block_lse = torch_block(q, held_k, held_v, allowed, scale)
+                out, lse = merge_fn(out, lse, block_out, block_lse)
+            if step < peers.size - 1:
+                held_k, held_v = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.shares, ctx.peers, ctx.scale = shares, peers, scale
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        shares, peers, scale = ctx.shares, ctx.peers, ctx.scale
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        held_k, held_v = k, v
+        held_dk, held_dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for step in range(peers.size):
+            owner = (peers.index - step) % peers.size
+            allowed = shares.allowed(peers.index, owner)
+            if bool(allowed.any()):
+                dq_b, dk_b, dv_b = torch_block_backward(dout, q, held_k, held_v, out, lse, allowed, scale)
+                dq += dq_b
+                held_dk, held_dv = held_dk + dk_b, held_dv + dv_b
+            if peers.size == 1:
+                break
+            # the gradients travel with their keys: after the last block they take one more hop, to their owner
+            moving = [held_dk, held_dv] if step == peers.size - 1 else [held_k, held_v, held_dk, held_dv]
+            moved = _pass_on(moving, peers)
+            if step < peers.size - 1:
+                held_k, held_v, held_dk, held_dv = moved
+            else:
+                held_dk, held_dv = moved
+        return dq.to(q.dtype), held_dk.to(k.dtype), held_dv.to(v.dtype), None, None, None, None
+
+
+def ring_attention(q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn=merge) -> torch.Tensor:
+    """Attention of this ring member's queries (B, H, T, D) over every member's keys and values (B, Hkv, T, D):
+    output (B, H, T, D). `merge_fn` merges two partial attentions (the tests replace it to show that a wrong merge is
+    caught)."""
+    return _RingAttention.apply(q, k, v, shares, peers, scale, merge_fn)[0]
