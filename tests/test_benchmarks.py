@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.helpers.harness import ROOT, launch
+
+pytestmark = pytest.mark.integration  # README: the integration tier
 
 
 def test_gpu_check_dry_run_on_cpu_with_two_ranks():

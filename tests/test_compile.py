@@ -3,10 +3,14 @@ layout run eagerly; the stock modules compile), with the P=1 loss and gradients.
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL
+
+pytestmark = pytest.mark.integration  # README: the integration tier
 
 
 def _compiled_cp_step(rank, world_size):
@@ -40,3 +44,50 @@ def test_torch_compile_runs_cp_from_the_first_forward():
     for loss_err, grad_err, own_grad_err in run_distributed(_compiled_cp_step, 2, timeout=400):
         assert loss_err <= TOL and grad_err <= TOL
         assert own_grad_err > TOL  # each rank holds only its slice's share: CP really ran
+
+
+FULLGRAPH_CLASSES = ["Qwen3VLForConditionalGeneration", "Qwen3_5ForCausalLM"]
+
+
+@pytest.mark.parametrize("name", FULLGRAPH_CLASSES)
+def test_with_cp_off_the_patched_forward_traces_like_stock_in_one_graph(name, reapply):
+    """transformers' own compile tests trace `model.forward` with fullgraph=True: with the import and CP off the
+    patched forward must trace too (no graph break at the package's flags) and give stock's logits, and a second
+    call of another length recompiles no more often than stock's does."""
+    from vlmcp_patch.fixtures.models import TINY_CONFIGS, build_model
+
+    import vlmcp_patch
+
+    model = build_model(TINY_CONFIGS[name](), seed=3).eval()
+    ids = [torch.randint(1, 100, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 7)]
+
+    def traced():
+        torch._dynamo.reset()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        compiled = torch.compile(model.forward, fullgraph=True, backend="eager", dynamic=False)
+        with torch.no_grad():
+            logits = [compiled(input_ids=x, use_cache=False).logits for x in ids]
+        return logits, torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+
+    ours = traced()
+    vlmcp_patch.revert()
+    stock = traced()
+    assert all(torch.equal(a, b) for a, b in zip(ours[0], stock[0]))
+    assert ours[1] == stock[1]
+
+
+@pytest.mark.parametrize("name", ["Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"])
+def test_generate_with_a_static_cache_works_as_stock(name, reapply):
+    """Generation with a static cache hands the hybrid Qwen3.5 models a mapping of masks per layer type, which the
+    package reads as stock does (before this release it raised on it at P=1)."""
+    from vlmcp_patch.fixtures.models import TINY_CONFIGS, build_model
+
+    import vlmcp_patch
+
+    model = build_model(TINY_CONFIGS[name](), seed=3)
+    ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    run = lambda: model.generate(input_ids=ids, max_new_tokens=3, do_sample=False,  # noqa: E731
+                                 cache_implementation="static")
+    ours = run()
+    vlmcp_patch.revert()
+    assert torch.equal(ours, run())

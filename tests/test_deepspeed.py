@@ -19,6 +19,8 @@ import torch
 from tests.helpers.harness import ROOT, launch
 from vlmcp_patch.fixtures.compare import state_dict_error
 
+pytestmark = pytest.mark.integration  # README: the integration tier
+
 pytest.importorskip("deepspeed")
 
 SCRIPT = ROOT / "examples" / "deepspeed_train.py"

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.helpers.harness import ROOT, launch
+
+pytestmark = pytest.mark.integration  # README: the integration tier
 
 
 def test_demo_cp2_matches_p1():

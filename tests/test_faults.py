@@ -9,6 +9,8 @@ import pytest
 
 from tests.helpers.harness import ROOT, launch
 
+INTEGRATION = pytest.mark.integration  # README: the integration tier
+
 SCRIPT = ROOT / "tests" / "helpers" / "fault_script.py"
 BOUND = 90  # seconds from launch to the end of the job: imports, one CP step, the fault, the 10 s timeout
 
@@ -20,6 +22,7 @@ def _run(mode: str, launcher: str):
     return out, time.monotonic() - start, out.stdout + out.stderr
 
 
+@INTEGRATION
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_a_rank_that_raises_ends_the_job_and_is_named(launcher):
     if launcher == "deepspeed":
@@ -29,13 +32,15 @@ def test_a_rank_that_raises_ends_the_job_and_is_named(launcher):
     assert "[rank1]: RuntimeError: injected fault on rank 1" in text, text[-3000:]
 
 
+@INTEGRATION
 def test_a_rank_that_is_killed_ends_the_job_and_is_named():
     out, elapsed, text = _run("kill", "torchrun")
     assert out.returncode != 0 and elapsed < BOUND, (elapsed, text[-3000:])
     assert "local_rank: 1" in text and "Signal 9 (SIGKILL)" in text, text[-3000:]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("deepspeed", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=INTEGRATION),
+                                      pytest.param("deepspeed", marks=pytest.mark.extended)])
 def test_a_hung_rank_ends_the_job_at_the_process_group_timeout(launcher):
     """Rank 0 waits in the CP group's collective; the group inherited the 10 s timeout of the process group."""
     if launcher == "deepspeed":

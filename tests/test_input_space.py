@@ -10,6 +10,8 @@ from tests.helpers.harness import run_distributed
 from tests.helpers.input_space import CLASSES, combinations, refused_by_design, run_input_space
 from tests.helpers.parity import TOL
 
+pytestmark = pytest.mark.integration  # README: the integration tier
+
 
 @pytest.fixture(scope="module")
 def space():

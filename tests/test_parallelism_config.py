@@ -16,6 +16,8 @@ import pytest
 
 from tests.helpers.harness import ROOT, launch
 
+pytestmark = pytest.mark.integration  # README: the integration tier
+
 pytest.importorskip("deepspeed")
 
 

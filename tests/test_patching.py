@@ -66,6 +66,7 @@ def test_every_patch_matches_the_installed_versions():
     assert scaled and scaled[0].mirrors and scaled[0].checked_on.startswith("deepspeed")
 
 
+@pytest.mark.integration
 def test_optional_packages_are_patched_when_imported():
     code = """
         import sys, vlmcp_patch
@@ -135,6 +136,7 @@ def test_a_transformers_older_than_the_tested_releases_is_refused():
         check_transformers_version(version)  # newer releases are decided by their patch targets, not refused
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("version,warnings", [(transformers.__version__, 0), ("5.25.0.dev0", 1),
                                               pytest.param("5.25.0", 1, marks=pytest.mark.extended)])
 def test_an_untested_newer_transformers_imports_with_one_warning(version, warnings):
@@ -150,6 +152,7 @@ def test_an_untested_newer_transformers_imports_with_one_warning(version, warnin
     assert _run(code) == f"{warnings} True"
 
 
+@pytest.mark.integration
 def test_a_changed_target_raises_naming_it_and_nothing_is_patched():
     code = """
         from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
@@ -196,6 +199,7 @@ REFUSED_TRL = """
 """
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("cp_size,expected", [("2", "refused True"), ("1", "built")])
 def test_an_optional_stack_whose_pinned_source_changed_refuses_that_patch_only(cp_size, expected, tmp_path):
     """A TRL release whose fused head differs from the pinned one: that patch alone is refused (warning), the
@@ -266,6 +270,7 @@ def test_bad_cp_size_env_is_a_clear_error():
     assert "VLMCP_CP_SIZE='two' is not an integer" in _run(code, VLMCP_CP_SIZE="two")
 
 
+@pytest.mark.integration
 def test_python_m_vlmcp_patch_reports_and_self_tests():
     out = subprocess.run([sys.executable, "-m", "vlmcp_patch"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -294,6 +299,7 @@ def _reloaded_cp_forward(rank, world_size):
         package.enable(cp_size=1)
 
 
+@pytest.mark.integration
 def test_a_reloaded_package_still_runs_cp():
     from tests.helpers.harness import run_distributed
 

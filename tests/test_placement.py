@@ -12,6 +12,8 @@ import pytest
 
 from tests.helpers.harness import ROOT, launch
 
+pytestmark = pytest.mark.integration  # README: the integration tier
+
 SCRIPT = ROOT / "tests" / "helpers" / "device_moves_script.py"
 STACKS = ["trainer", "trl_sft", "accelerate", "raw"]
 

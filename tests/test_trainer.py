@@ -23,21 +23,22 @@ from vlmcp_patch.fixtures.compare import state_dict_error
 SCRIPT = ROOT / "examples" / "hf_trainer_sft.py"
 COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
 VL, Q35 = "tiny-qwen3-vl", "tiny-qwen3.5"
-EXTENDED = pytest.mark.extended
+EXTENDED, INTEGRATION = pytest.mark.extended, pytest.mark.integration
 
 
 def _deepspeed(stage: int) -> list:
     return ["--deepspeed", ROOT / "examples" / f"ds_trainer_zero{stage}.json"]
 
 
-def _launch(name: str, procs: int, cp_size: int, model: str, extra=(), launcher=None, common=COMMON, env=None):
+def _launch(name: str, procs: int, cp_size: int, model: str, extra=(), launcher=None, common=COMMON, env=None,
+            script=SCRIPT):
     """(trained weights, per-step logs, what wrapped the model); the run's files live in a fresh folder."""
     tmp = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     launcher = launcher or ("python" if procs == 1 and "--deepspeed" not in map(str, extra) else "torchrun")
     files = ["--save-weights", tmp / "w.pt", "--save-logs", tmp / "log.json"]
     args = ["--model", model, "--output-dir", tmp / "out", *common, *files, *extra]
     env = {"VLMCP_CP_SIZE": str(cp_size), **(env or {})}
-    out = launch(SCRIPT, args, procs=procs, launcher=launcher, env=env, timeout=400)
+    out = launch(script, args, procs=procs, launcher=launcher, env=env, timeout=400)
     assert out.returncode == 0, out.stderr[-4000:]
     entries = json.loads((tmp / "log.json").read_text())
     about = next(e for e in entries if "wrapper" in e)
@@ -84,7 +85,7 @@ def assert_trains_like(run: Run, reference: Run, cp_size: int = 2, dp_size: int 
 # DDP
 
 
-@pytest.mark.parametrize("model,launcher", [(VL, "torchrun"), (Q35, "accelerate")])
+@pytest.mark.parametrize("model,launcher", [(VL, "torchrun"), pytest.param(Q35, "accelerate", marks=INTEGRATION)])
 def test_ddp_cp2_equals_p1(model, launcher, once):
     run = _launch(f"ddp-cp2-{model}", 2, 2, model, launcher=launcher)
     assert run.wrapper == "DDP"
@@ -96,6 +97,7 @@ def test_ddp_cp2_equals_p1(model, launcher, once):
     assert seen[0] == seen[1]
 
 
+@INTEGRATION
 def test_stock_ddp_on_two_processes_shards_the_data(once):
     run = _launch("ddp-stock", 2, 1, VL)
     assert run.wrapper == "DDP" and state_dict_error(run.weights, once(p1, VL).weights) > 1e-2
@@ -107,7 +109,7 @@ def test_stock_ddp_on_two_processes_shards_the_data(once):
 
 
 @pytest.mark.parametrize("model,stage,switch", [
-    (VL, 3, "env"), (Q35, 3, "sp"),
+    (VL, 3, "env"), pytest.param(Q35, 3, "sp", marks=INTEGRATION),
     pytest.param(VL, 2, "sp", marks=EXTENDED), pytest.param(Q35, 2, "env", marks=EXTENDED)])
 def test_deepspeed_cp2_equals_p1(model, stage, switch, once):
     pytest.importorskip("deepspeed")
@@ -123,7 +125,7 @@ def test_deepspeed_cp2_equals_p1(model, stage, switch, once):
 # and image tokens do not match") and refuses for Qwen3.5.
 
 
-@pytest.mark.parametrize("model,route", [(VL, "fsdp_config"), (Q35, "parallelism_config"),
+@pytest.mark.parametrize("model,route", [(VL, "fsdp_config"), pytest.param(Q35, "parallelism_config", marks=INTEGRATION),
                                          pytest.param(VL, "accelerate_launch", marks=EXTENDED)])
 def test_fsdp2_cp2_equals_p1(model, route, once):
     extra, cp_size, launcher = {
@@ -136,6 +138,7 @@ def test_fsdp2_cp2_equals_p1(model, route, once):
     assert_trains_like(run, once(p1, model))
 
 
+@INTEGRATION
 def test_fsdp2_lora_with_a_frozen_vision_tower_cp2_equals_p1(once):
     """PEFT LoRA on the text attention, vision tower frozen, FSDP2 and CP=2: only the adapters train, as at P=1."""
     reference = _launch("p1-lora", 1, 1, VL, ["--lora"])
@@ -147,11 +150,13 @@ def test_fsdp2_lora_with_a_frozen_vision_tower_cp2_equals_p1(once):
     assert not changed, changed  # the frozen weights stayed as they were
 
 
+@INTEGRATION
 def test_stock_fsdp2_on_two_processes_shards_the_data(once):
     run = _launch("fsdp-stock", 2, 1, VL, ["--fsdp"])
     assert run.wrapper == "FSDP2" and state_dict_error(run.weights, once(p1, VL).weights) > 1e-2
 
 
+@INTEGRATION
 def test_fsdp2_checkpoints_under_cp_load_as_p1_and_resume_exactly(once):
     """FSDP2 + CP=2: a FULL_STATE_DICT checkpoint loads with stock `from_pretrained` and holds the P=1 weights
     after the same steps; a SHARDED_STATE_DICT (DCP) checkpoint resumes under CP exactly as the P=1 run goes on."""
@@ -187,6 +192,7 @@ def p1_official(data_format: str) -> Run:
     return _launch(f"p1-{data_format}", 1, 1, VL, ["--data-format", data_format])
 
 
+@INTEGRATION
 @pytest.mark.parametrize("wrapper", ["DDP", "DeepSpeed ZeRO-3"])
 @pytest.mark.parametrize("data_format", OFFICIAL)
 def test_the_official_scripts_batches_train_at_cp2_as_one_process(data_format, wrapper, once):
@@ -196,6 +202,35 @@ def test_the_official_scripts_batches_train_at_cp2_as_one_process(data_format, w
     assert_trains_like(run, once(p1_official, data_format), clipped=False)
 
 
+OFFICIAL_PACKING = ROOT / "tests" / "helpers" / "official_packing_script.py"
+
+
+@INTEGRATION
+def test_the_official_scripts_own_flash_attention_packing_trains_at_cp2_as_one_process():
+    """The script's packed mode replaces the text attention by its own `flash_attn_varlen_func` call (CPU stand-in
+    for flash-attn): under ZeRO-2 at CP=2 it trains to the one-process weights — its call on each rank's slice ran
+    the exchange (a call on the slice alone raises, `tests/test_errors.py`)."""
+    pytest.importorskip("deepspeed")
+    extra = ["--data-format", "official-flattened"]
+    reference = _launch("p1-official-packing", 1, 1, VL, extra, script=OFFICIAL_PACKING)
+    run = _launch("official-packing-zero2", 2, 2, VL, [*extra, *_deepspeed(2)], script=OFFICIAL_PACKING)
+    assert run.wrapper == "DeepSpeed ZeRO-2"
+    assert_trains_like(run, reference, clipped=False)
+
+
+@INTEGRATION
+def test_bf16_mixed_precision_keeps_the_cp_forward(once):
+    """Accelerate's mixed precision rebinds the model's forward through `forward.__func__` and unwraps it through
+    `__wrapped__`: the patched forward must survive both (before this release the stock forward ran, and the CP
+    decoder refused it). bf16 rounds differently at CP=2 than at P=1, hence the loose bound."""
+    reference = _launch("p1-bf16", 1, 1, VL, ["--bf16"])
+    run = _launch("ddp-cp2-bf16", 2, 2, VL, ["--bf16"])
+    assert [e["cp_size"] for e in run.train] == [2, 2, 2]
+    for a, b in zip(reference.train, run.train):
+        assert abs(a["loss"] - b["loss"]) <= 2e-2 * abs(a["loss"])
+
+
+@INTEGRATION
 def test_the_official_scripts_padded_batches_at_p1_are_stock_bit_for_bit(once):
     stock = _launch("stock-official-padded", 1, 1, VL, ["--data-format", "official-padded"],
                     env={"VLMCP_DISABLE": "1"})
@@ -230,7 +265,8 @@ WRAPPERS = {
 
 
 @pytest.mark.parametrize("wrapper", [
-    "ddp", "zero2", "zero3", "fsdp2", *(pytest.param(w, marks=EXTENDED) for w in ("ddp_find_unused", "zero1"))])
+    *(pytest.param(w, marks=INTEGRATION) for w in ("ddp", "zero2", "zero3", "fsdp2")),
+    *(pytest.param(w, marks=EXTENDED) for w in ("ddp_find_unused", "zero1"))])
 def test_cp2_dp2_mixed_modality_trains_and_evaluates_like_one_process(wrapper, once):
     if wrapper.startswith("zero"):
         pytest.importorskip("deepspeed")
@@ -248,6 +284,7 @@ def test_cp2_dp2_mixed_modality_trains_and_evaluates_like_one_process(wrapper, o
     assert abs(ev1["eval_accuracy"] - ev4["eval_accuracy"]) <= one_token
 
 
+@INTEGRATION
 def test_matched_vision_passes_at_p1_on_request(once):
     """At P=1 the package leaves DDP alone unless asked: with VLMCP_MATCH_VISION_PASSES=1 two stock DDP replicas
     (no find_unused_parameters) with mixed micro-batches train like one process, where stock DDP fails."""
@@ -261,6 +298,7 @@ def test_matched_vision_passes_at_p1_on_request(once):
 # Setup checks
 
 
+@INTEGRATION
 def test_an_unsupported_model_under_cp_is_refused_before_the_first_step():
     """A model the package does not run under CP would train on P copies of each batch with P times the
     gradient: the Trainer integration refuses it when the Trainer is built."""

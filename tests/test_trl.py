@@ -62,7 +62,7 @@ def _assert_same_training(run, reference):
         assert b["cp_tokens_per_rank"] > 0
 
 
-@pytest.mark.parametrize("wrapper", ["DDP", "FSDP2"])
+@pytest.mark.parametrize("wrapper", ["DDP", pytest.param("FSDP2", marks=pytest.mark.integration)])
 def test_sft_trainer_cp2_equals_p1(wrapper, once):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
@@ -71,6 +71,7 @@ def test_sft_trainer_cp2_equals_p1(wrapper, once):
     _assert_same_training(run, once(sft_run, "p1"))
 
 
+@pytest.mark.integration
 def test_stock_sft_trainer_on_two_processes_shards_the_data(once):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")

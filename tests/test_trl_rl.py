@@ -85,12 +85,16 @@ PREFERENCE = {
 }
 
 
-# Run with `-m extended` (README: How the tests prove it).
+# The default run trains GRPO and DPO; the others run with `-m integration`, these two with `-m extended` (README:
+# How the tests prove it).
+DEFAULT = {"grpo-qwen3-vl", "dpo-qwen3.5-peft"}
 EXTENDED = {"dpo-qwen3-vl", "dpo-precomputed"}
+INTEGRATION = pytest.mark.integration
 
 
 def cases(table: dict) -> list:
-    return [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c for c in table]
+    return [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.extended if c in EXTENDED else INTEGRATION)
+            for c in table]
 
 
 @pytest.mark.parametrize("case", cases({**RL, **PREFERENCE}))
@@ -113,6 +117,7 @@ def test_every_rank_of_the_group_scored_the_one_process_completions(case, once):
     assert candidate.completions[0] == reference.completions[0] and reference.completions[0]
 
 
+@INTEGRATION
 def test_stock_grpo_on_two_processes_shards_the_prompts(once):
     pytest.importorskip("trl")
     script, extra = RL["grpo-qwen3-vl"]
@@ -122,6 +127,7 @@ def test_stock_grpo_on_two_processes_shards_the_prompts(once):
     assert control.completions[0] != control.completions[1]  # each process drew for its own prompts
 
 
+@INTEGRATION
 def test_preference_trainers_split_each_row_over_the_group(once):
     """DPO's and KTO's per-pair mean makes replicas equal one process: here each rank's decoder saw half the row."""
     pytest.importorskip("trl")
@@ -134,6 +140,7 @@ def test_preference_trainers_split_each_row_over_the_group(once):
 MIXED = ["--text-only-replica", "1", "--batch-size", "2"]
 
 
+@INTEGRATION
 @pytest.mark.parametrize("wrapper,flags", [("DeepSpeed ZeRO-3", ("--deepspeed", str(ROOT / "examples" /
                                                                                   "ds_trainer_zero3.json"))),
                                            ("FSDP2", ("--fsdp",))])
@@ -169,6 +176,7 @@ def vllm_run(mode: str, procs: int, cp_size: int) -> tuple[Run, list[list[int]]]
     return Run(folder, procs), calls
 
 
+@INTEGRATION
 @pytest.mark.parametrize("mode", ["server", "colocate"])
 def test_vllm_rollouts_reach_the_engine_once_per_group(mode, once):
     """TRL's vLLM rollouts under CP=2 (the engine and its client replaced by in-process stand-ins): the engine gets
@@ -183,6 +191,7 @@ def test_vllm_rollouts_reach_the_engine_once_per_group(mode, once):
     assert any(step["grad_norm"] > 0.1 for step in reference.steps)  # the rollouts really train
 
 
+@INTEGRATION
 def test_split_rollouts_generate_each_rank_its_share(once):
     """With VLMCP_SPLIT_ROLLOUTS=1 the ranks of a group generate different rows of the group's rollout (other draws
     than one process: documented) and then all train on the same completions."""

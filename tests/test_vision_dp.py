@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.helpers.harness import run_distributed
@@ -86,6 +87,7 @@ def test_feature_exchange_returns_each_rows_gradient_to_its_sender():
     assert rank0["grad"] == [[0.0, 1.0], [100.0, 101.0], [102.0, 103.0]] and rank1["grad"] == [[2.0, 3.0]]
 
 
+@pytest.mark.integration
 def test_a_rank_without_images_runs_a_zero_gradient_placeholder_in_the_models_dtype(once):
     rank0, rank1 = once(bf16_run)
     assert rank0["patches"] > 0 and rank1["patches"] == 0

@@ -183,7 +183,8 @@ def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, cp: CPG
     vision_ctx = CPContext(cp=cp, segments=segments_from_lengths(lengths))  # attention within each segment
     rows, local_len = vision_ctx.local_slice, vision_ctx.local_len
     placement = _tower_placement(tower)
-    real = pixels[rows.start : min(rows.stop, pixels.shape[0])].to(**placement)
+    # A copy, on CPU too: a view would keep the caller's whole pixel batch alive until backward.
+    real = pixels[rows.start : min(rows.stop, pixels.shape[0])].to(**placement, copy=True)
     local = torch.cat([real, real.new_zeros(local_len - real.shape[0], real.shape[1])]) if real.shape[0] < local_len \
         else real
     tables = {k: v.to(placement["device"]) for k, v in _patch_tables(tower, grid, rows).items()}
