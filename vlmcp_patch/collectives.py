@@ -109,6 +109,29 @@ def sum_keep_local_grad(x: torch.Tensor, group, size: int) -> torch.Tensor:
     return _SumKeepLocalGrad.apply(x, group)
 
 
+class _GatherOverGroup(torch.autograd.Function):
+    """Every member's `x` stacked in rank order: (size, *x.shape). Each member uses all of them differently (a
+    ring's halos and state transfers), so backward sums the gradient over the group and keeps this member's block."""
+
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.group, ctx.rank = group, rank
+        return _all_gather_along(x.unsqueeze(0), 0, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None, None, None
+
+
+def gather_over_group(x: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
+    """See `_GatherOverGroup`."""
+    if size == 1:
+        return x.unsqueeze(0)
+    return _GatherOverGroup.apply(x, group, size, rank)
+
+
 class _ExchangeRows(torch.autograd.Function):
     """Rows sent to other ranks by count: rank r sends its first `send_counts[0]` rows to rank 0, the next
     `send_counts[1]` to rank 1, ..., and receives `recv_counts[s]` rows from each rank s, in rank order (one

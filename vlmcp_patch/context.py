@@ -12,14 +12,15 @@ recomputation sees the same state as the forward did.
 from __future__ import annotations
 
 import contextvars
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from .distributed import CPGroup, gather_sequence
+from .distributed import CPGroup, HybridGroups, gather_sequence, hybrid_groups
 from .flags import scoped
-from .layout import Segment, cu_seqlens_of, round_up, shard_slice
+from .layout import Segment, Split, cu_seqlens_of
 
 CTX_KWARG = "vlmcp_ctx"
 
@@ -48,11 +49,11 @@ class RowLayout:
         flat = x.flatten(batch_dim, batch_dim + 1)
         return flat.index_select(batch_dim, self.index.to(x.device)).unsqueeze(batch_dim)
 
-    def take(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Tokens [start, stop) of the row, read from the caller's layout (batch, width, ...) -> (1, stop - start,
-        ...): a slice of the row without the whole row ever being built."""
+    def take(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The row's tokens at `positions`, read from the caller's layout (batch, width, ...) -> (1, len(positions),
+        ...): part of the row without the whole row ever being built."""
         flat = x.flatten(0, 1)
-        return flat.index_select(0, self.index[start:stop].to(x.device)).unsqueeze(0)
+        return flat.index_select(0, self.index[positions].to(x.device)).unsqueeze(0)
 
     def to_caller(self, x: torch.Tensor, batch_dim: int = 0, fill=0) -> torch.Tensor:
         """(..., 1, tokens, ...) -> (..., batch, width, ...), padding positions set to `fill`."""
@@ -64,11 +65,14 @@ class RowLayout:
 
 @dataclass
 class CPContext:
-    """One CP forward: its group, the samples of its packed row and where they came from."""
+    """One CP forward: its group, the samples of its packed row and where they came from, and how the row is spread
+    over the group (`layout.Split`: U = `ulysses` ranks exchange sequence for heads, R = P / U of those subgroups form
+    rings; 0: U = P)."""
 
     cp: CPGroup
     segments: list[Segment]  # samples of the packed row (real tokens, back to back)
     rows: RowLayout | None = None  # the caller's batch, when it was not already the row
+    ulysses: int = 0
     # Row positions (1D, ascending) of each modality's placeholder tokens ("image", "video"): the vision features
     # go to the rank whose slice holds their token (`forward.vision`).
     vision_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -80,9 +84,23 @@ class CPContext:
     def seq_len(self) -> int:
         return self.segments[-1][1]
 
+    @functools.cached_property
+    def split(self) -> Split:
+        return Split(self.seq_len, self.cp.size, self.ulysses or self.cp.size)
+
+    @property
+    def ring_size(self) -> int:
+        return self.split.ring
+
+    @functools.cached_property
+    def groups(self) -> HybridGroups:
+        """This rank's Ulysses subgroup (the CP group itself when U = P) and ring."""
+        return hybrid_groups(self.cp, self.split.ulysses) if self.cp.group is not None else \
+            HybridGroups(ulysses=self.cp, ring=None)
+
     @property
     def padded_len(self) -> int:
-        return round_up(self.seq_len, self.cp.size)
+        return self.split.padded_len
 
     @property
     def pad_len(self) -> int:
@@ -90,17 +108,27 @@ class CPContext:
 
     @property
     def local_len(self) -> int:
-        return self.padded_len // self.cp.size
+        return self.split.local_len
+
+    @functools.cached_property
+    def local_positions(self) -> torch.Tensor:
+        """Row positions (padded row) of this rank's tokens, ascending (CPU)."""
+        return self.split.positions(self.cp.rank)
 
     @property
-    def local_slice(self) -> slice:
-        return shard_slice(self.seq_len, self.cp.size, self.cp.rank)
+    def local_real_len(self) -> int:
+        """Real tokens of this rank (a prefix of its tokens; the rest is CP padding)."""
+        return int((self.local_positions < self.seq_len).sum())
 
     @property
     def local_pad_len(self) -> int:
-        """CP padding tokens in this rank's slice (the pad tail lies after every real token)."""
-        real = max(0, min(self.seq_len - self.local_slice.start, self.local_len))
-        return self.local_len - real
+        """CP padding tokens of this rank (they lie after every real token)."""
+        return self.local_len - self.local_real_len
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether every rank holds one contiguous slice of the row (R = 1)."""
+        return self.ring_size == 1
 
     @property
     def attention_segments(self) -> list[Segment]:
@@ -115,34 +143,48 @@ class CPContext:
     def cu_seqlens(self, device) -> torch.Tensor:
         return torch.tensor(cu_seqlens_of(self.attention_segments), dtype=torch.int32, device=device)
 
+    @functools.cached_property
+    def segment_ids(self) -> torch.Tensor:
+        """(padded_len,) the attention segment of every position (CPU)."""
+        lengths = torch.tensor([b - a for a, b in self.attention_segments])
+        return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+
     def pad(self, x: torch.Tensor, dim: int, value=0) -> torch.Tensor:
-        """Pad the sequence dimension `dim` of a full-length tensor up to a multiple of the CP size."""
+        """Pad the sequence dimension `dim` of a full-length tensor up to the padded length."""
         if not self.pad_len:
             return x
         dim = dim % x.ndim
         widths = [0, 0] * (x.ndim - dim - 1) + [0, self.pad_len]
         return F.pad(x, widths, value=value)
 
-    @property
-    def local_real_len(self) -> int:
-        """Real tokens in this rank's slice (the rest is CP padding)."""
-        return self.local_len - self.local_pad_len
-
     def shard(self, x: torch.Tensor, dim: int, value=0) -> torch.Tensor:
-        """This rank's contiguous slice (local_len along `dim`) of a full-length tensor, CP padding filled with
-        `value`: a view when the slice holds no padding, otherwise a tensor of the slice's size (the whole tensor
-        is never copied)."""
+        """This rank's tokens (local_len along `dim`) of a full-length tensor, CP padding filled with `value`. With
+        R = 1 a view of the contiguous slice when it holds no padding; otherwise a tensor of the slice's size (the
+        whole tensor is never copied)."""
         dim = dim % x.ndim
-        start = min(self.local_slice.start, self.seq_len)
-        local = x.narrow(dim, start, self.local_real_len)
+        real = self.local_real_len
+        if self.contiguous:
+            local = x.narrow(dim, min(int(self.local_positions[0]), self.seq_len), real)
+        else:
+            local = x.index_select(dim, self.local_positions[:real].to(x.device))
         if not self.local_pad_len:
             return local
         widths = [0, 0] * (x.ndim - dim - 1) + [0, self.local_pad_len]
         return F.pad(local, widths, value=value)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """The full-length tensor from every rank's slice, padding removed (`distributed.gather_sequence`)."""
-        return gather_sequence(x, dim, self.seq_len, self.cp)
+        """The full-length tensor in row order from every rank's tokens, padding removed; backward keeps each rank's
+        own tokens (`distributed.gather_sequence`)."""
+        if self.contiguous:
+            return gather_sequence(x, dim, self.seq_len, self.cp)
+        gathered = gather_sequence(x, dim, None, self.cp)
+        in_row_order = torch.argsort(torch.cat([self.split.positions(r) for r in range(self.cp.size)]))
+        return gathered.index_select(dim, in_row_order[: self.seq_len].to(x.device))
+
+    def owner_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rank holding each of `positions` (row positions; CPU)."""
+        positions = positions.cpu()
+        return positions // self.local_len if self.contiguous else self.split.owners()[positions]
 
     def to_caller(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """A full-row tensor (1, tokens, ...) in the caller's batch layout (batch, width, ...)."""

@@ -19,6 +19,7 @@ from .flags import BYPASS, scoped
 from .settings import cp_size
 
 _GROUPS: dict[tuple[int, int], object] = {}
+_HYBRID: dict[tuple[int, int, int], dict] = {}  # (world, P, U) -> this rank's Ulysses subgroup and ring
 _WORLD_GROUP: dict[int, object] = {}
 
 
@@ -69,17 +70,19 @@ def _timeout_of_default_group():
 def _release_groups() -> None:
     """Destroy the package's own groups while the interpreter is alive (an atexit hook): a gloo group whose
     last reference goes away only during interpreter shutdown can abort the process there."""
-    for group in [*_GROUPS.values(), *_WORLD_GROUP.values()]:
+    hybrid = [g for groups in _HYBRID.values() for g in (groups["ulysses"], groups["ring"][0])]
+    for group in [*_GROUPS.values(), *_WORLD_GROUP.values(), *hybrid]:
         try:
             dist.destroy_process_group(group)
         except Exception:  # noqa: BLE001 - already destroyed with the default group
             pass
     _GROUPS.clear()
     _WORLD_GROUP.clear()
+    _HYBRID.clear()
 
 
 def _new_group(ranks: list[int]):
-    if not _GROUPS and not _WORLD_GROUP:
+    if not _GROUPS and not _WORLD_GROUP and not _HYBRID:
         atexit.register(_release_groups)
     return dist.new_group(ranks=ranks, timeout=_timeout_of_default_group())
 
@@ -98,6 +101,58 @@ def _group_for(size: int):
                 mine = group
         _GROUPS[key] = mine
     return _GROUPS[key]
+
+
+@dataclass(frozen=True)
+class RingPeers:
+    """A rank's ring of the P = U x R layout: the R ranks that hold the same heads in the R Ulysses subgroups. Its
+    process group, this rank's index in it, its size, and the global ranks of the next and the previous member."""
+
+    group: object
+    index: int
+    size: int
+    next_rank: int
+    prev_rank: int
+
+
+@dataclass(frozen=True)
+class HybridGroups:
+    """This rank's groups in the P = U x R layout (`layout.Split`): its Ulysses subgroup (U consecutive ranks, the
+    all-to-all of sequence for heads) and its ring (None when R = 1)."""
+
+    ulysses: CPGroup
+    ring: RingPeers | None
+
+
+def hybrid_groups(cp: CPGroup, ulysses: int) -> HybridGroups:
+    """The Ulysses subgroup and ring of this rank for a CP group `cp` split as U = `ulysses` times R. With U = P the
+    subgroup is the CP group itself: the exchanges of the all-to-all layout, unchanged."""
+    if ulysses == cp.size:
+        return HybridGroups(ulysses=cp, ring=None)
+    world, me = dist.get_world_size(), dist.get_rank()
+    key = (world, cp.size, ulysses)
+    if key not in _HYBRID:
+        # new_group is collective over the whole world: every rank creates every subgroup and ring, in order.
+        mine = {}
+        for block in range(0, world, cp.size):
+            for start in range(block, block + cp.size, ulysses):
+                group = _new_group(list(range(start, start + ulysses)))
+                if start <= me < start + ulysses:
+                    mine["ulysses"] = group
+            for member in range(ulysses):
+                ranks = list(range(block + member, block + cp.size, ulysses))
+                group = _new_group(ranks)
+                if me in ranks:
+                    mine["ring"] = (group, ranks)
+        _HYBRID[key] = mine
+    groups = _HYBRID[key]
+    ring_group, ranks = groups["ring"]
+    index = ranks.index(me)
+    return HybridGroups(
+        ulysses=CPGroup(group=groups["ulysses"], rank=cp.rank % ulysses, size=ulysses),
+        ring=RingPeers(group=ring_group, index=index, size=len(ranks), next_rank=ranks[(index + 1) % len(ranks)],
+                       prev_rank=ranks[(index - 1) % len(ranks)]),
+    )
 
 
 def get_cp_group(size: int | None = None) -> CPGroup | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -96,3 +97,66 @@ def kv_replication_factor(num_heads: int, num_kv_heads: int, size: int) -> int |
         return None
     group = num_heads // num_kv_heads
     return next(k for k in range(1, group + 1) if group % k == 0 and (num_kv_heads * k) % size == 0)
+
+
+def ulysses_degree(size: int, divisible: Sequence[int]) -> int:
+    """U of the P = U x R layout: the largest divisor of `size` that divides every head count in `divisible` (the
+    query heads of softmax attention; the DeltaNet value heads). R = size // U ranks then form a ring."""
+    return max(u for u in range(1, size + 1) if size % u == 0 and all(n % u == 0 for n in divisible))
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a row of `seq_len` tokens is spread over `size` ranks in the P = U x R layout (`ulysses` = U).
+
+    Ranks are numbered so that each Ulysses subgroup is consecutive: rank = g * U + u, subgroup g of R, member u.
+    With R = 1 the row is padded to a multiple of P and rank r holds the contiguous slice [r L, (r + 1) L). With
+    R > 1 it is padded to a multiple of 2P and cut into 2R equal chunks; subgroup g holds chunks g and 2R-1-g (one
+    early, one late: every subgroup has the same causal attention work), and member u the u-th of U equal parts of
+    those two chunks side by side. Within every rank, and within every subgroup, positions ascend; the CP padding
+    (the row's tail) is the end of the ranks that hold it.
+    """
+
+    seq_len: int
+    size: int
+    ulysses: int
+
+    @property
+    def ring(self) -> int:
+        return self.size // self.ulysses
+
+    @property
+    def padded_len(self) -> int:
+        return round_up(self.seq_len, self.size if self.ring == 1 else 2 * self.size)
+
+    @property
+    def local_len(self) -> int:
+        return self.padded_len // self.size
+
+    @property
+    def chunk_len(self) -> int:
+        return self.padded_len // (2 * self.ring)
+
+    def chunks_of(self, subgroup: int) -> tuple[int, ...]:
+        """The chunks a subgroup holds, in row order (R = 1: the whole row is one subgroup's)."""
+        return (subgroup, 2 * self.ring - 1 - subgroup)
+
+    def subgroup_positions(self, subgroup: int) -> torch.Tensor:
+        """Row positions (padded row) of a subgroup's tokens, ascending: after the Ulysses exchange a member holds
+        them all, for its share of the heads."""
+        if self.ring == 1:
+            return torch.arange(self.padded_len)
+        return torch.cat([torch.arange(c * self.chunk_len, (c + 1) * self.chunk_len) for c in self.chunks_of(subgroup)])
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Row positions (padded row) of the tokens `rank` holds, ascending."""
+        subgroup, member = divmod(rank, self.ulysses)
+        part = self.subgroup_positions(subgroup).tensor_split(self.ulysses)[member]
+        return part
+
+    def owners(self) -> torch.Tensor:
+        """(padded_len,) the rank holding each position."""
+        owner = torch.empty(self.padded_len, dtype=torch.long)
+        for rank in range(self.size):
+            owner[self.positions(rank)] = rank
+        return owner

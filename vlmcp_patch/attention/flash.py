@@ -49,8 +49,10 @@ def _check_boundaries(given: torch.Tensor, ctx: CPContext, name: str) -> None:
     row = torch.tensor([0] + [b for _, b in ctx.segments], dtype=given.dtype, device=given.device)
     if int(given[-1]) == ctx.seq_len:
         agrees = torch.equal(given, row)
+    elif not ctx.contiguous:  # this rank's tokens are not one run of the row: only the row's boundaries mean anything
+        agrees = False
     else:
-        start = ctx.local_slice.start
+        start = int(ctx.local_positions[0])
         clipped = (row.clamp(start, start + ctx.local_real_len) - start).unique_consecutive()
         agrees = torch.equal(given[given <= ctx.local_real_len].unique_consecutive(), clipped)
     if not agrees:

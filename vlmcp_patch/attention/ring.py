@@ -27,24 +27,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..distributed import RingPeers
+
 NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True)
-class RingPeers:
-    """This rank's place in its ring: the ring's process group, its position in it, its size, and the global ranks
-    of the next and the previous member."""
-
-    group: object
-    index: int
-    size: int
-    next_rank: int
-    prev_rank: int
 
 
 def _pass_on(tensors: list[torch.Tensor], peers: RingPeers) -> list[torch.Tensor]:
     """Send `tensors` to the next member of the ring and receive the previous member's (the same shapes)."""
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), peers.next_rank, group=peers.group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, peers.prev_rank, group=peers.group) for r in received]
     for request in dist.batch_isend_irecv(ops):

@@ -24,6 +24,7 @@ from ..settings import cp_size
 from ..supported import unsupported_model_message
 from .foreign import kernel_on_whole_sequence, record_exchange
 from .heads import BHSD, BSHD, kv_replication
+from .ring import Shares, ring_attention
 
 # Keyword arguments that describe the *local* sequence; under CP the global ones replace them.
 _LOCAL_SEQUENCE_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -60,10 +61,28 @@ def _flash_global(original, module, q, k, v, ctx: CPContext, kwargs):
 _GLOBAL_CALL = {"sdpa": _sdpa_global, "flash": _flash_global}
 
 
+def _ring_call(module, q, k, v, ctx: CPContext, kwargs) -> torch.Tensor:
+    """Attention of this subgroup's share of the row over the whole row, around the ring (`ring.py`): q, k, v
+    (B, H/U, T, D) -> (B, T, H/U, D)."""
+    if kwargs.get("dropout"):
+        raise UnsupportedSetupError("attention dropout cannot run across a CP ring (P beyond the heads); set the "
+                                    "model's attention_dropout to 0 or choose a CP size that divides the heads")
+    scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
+    return ring_attention(q, k, v, ring_shares(ctx), ctx.groups.ring, scale).transpose(1, 2)
+
+
+def ring_shares(ctx: CPContext) -> Shares:
+    """Positions and segments of every ring member's share: its subgroup's tokens, ascending."""
+    positions = [ctx.split.subgroup_positions(g) for g in range(ctx.ring_size)]
+    return Shares(positions=positions, segments=[ctx.segment_ids[p] for p in positions])
+
+
 def attention_over_cp(original, flavor: str, module, query, key, value, ctx: CPContext, kwargs) -> torch.Tensor:
-    """Attention of this rank's slice: q/k/v (B, H, S/P, D) for all heads -> the whole row for H/P heads ->
-    the stock kernel with the row's sample boundaries -> output (B, S/P, H, D) for all heads again."""
-    group, size = ctx.cp.group, ctx.cp.size
+    """Attention of this rank's slice: q/k/v (B, H, S/P, D) for all heads -> the subgroup's share of the row (the
+    whole row when U = P) for H/U heads -> the stock kernel with the row's sample boundaries, or the ring across the
+    subgroups -> output (B, S/P, H, D) for all heads again."""
+    ulysses = ctx.groups.ulysses
+    group, size = ulysses.group, ulysses.size
     num_heads, num_kv = query.shape[BHSD.heads], key.shape[BHSD.heads]
     repeat = kv_replication(num_heads, num_kv, size, what=type(module).__name__)
     if repeat > 1:
@@ -74,7 +93,10 @@ def attention_over_cp(original, flavor: str, module, query, key, value, ctx: CPC
     for name in _LOCAL_SEQUENCE_KWARGS:
         kwargs.pop(name, None)
     with kernel_on_whole_sequence():
-        out = _GLOBAL_CALL[flavor](original, local, q, k, v, ctx, kwargs)  # (B, S, H/P, D)
+        if ctx.contiguous:
+            out = _GLOBAL_CALL[flavor](original, local, q, k, v, ctx, kwargs)  # (B, S, H/P, D)
+        else:
+            out = _ring_call(local, q, k, v, ctx, kwargs)  # (B, S/R, H/U, D)
     record_exchange(ctx)
     return all_to_all(out, BSHD.seq, BSHD.heads, group, size)  # (B, S/P, H, D)
 

@@ -37,7 +37,7 @@ from ..attention.foreign import foreign_attention_problem
 from ..attention.heads import kv_replication
 from ..distributed import CPGroup
 from ..errors import CPInputError, UnsupportedSetupError
-from ..layout import Segment, starts_of
+from ..layout import Segment, starts_of, ulysses_degree
 from ..loss import IGNORE_INDEX, shifted_labels
 from ..settings import cp_size
 from .arguments import batch_reference, given_cache, has_vision
@@ -107,16 +107,26 @@ def check_model_config(text_config, size: int) -> None:
             f"attn_implementation={impl!r} is not supported under CP (VLMCP_CP_SIZE={cp_size()}); load the model "
             "with attn_implementation='sdpa' or 'flash_attention_2'."
         )
-    kv_replication(text_config.num_attention_heads, text_config.num_key_value_heads, size, "softmax attention")
+    ulysses = ulysses_of(text_config, size)
+    kv_replication(text_config.num_attention_heads, text_config.num_key_value_heads, ulysses, "softmax attention")
     if has_deltanet(text_config):
         kv_replication(
-            text_config.linear_num_value_heads, text_config.linear_num_key_heads, size, "gated DeltaNet",
+            text_config.linear_num_value_heads, text_config.linear_num_key_heads, ulysses, "gated DeltaNet",
             ("value", "key"),
         )
 
 
 def has_deltanet(text_config) -> bool:
     return bool(getattr(text_config, "linear_num_value_heads", None))
+
+
+def ulysses_of(text_config, size: int) -> int:
+    """U of the P = U x R layout for a model: the largest divisor of P that splits its query heads (and its DeltaNet
+    value heads); the rest of P is a ring (`layout.Split`)."""
+    heads = [text_config.num_attention_heads]
+    if has_deltanet(text_config):
+        heads.append(text_config.linear_num_value_heads)
+    return ulysses_degree(size, heads)
 
 
 def setup_problem(model, cp: CPGroup, call: dict) -> Problem | None:

@@ -46,8 +46,7 @@ def _embeddings_of_slice(embeds: torch.Tensor, ctx: CPContext) -> torch.Tensor:
     zero."""
     if ctx.rows is None:
         return ctx.shard(embeds, dim=1).clone()
-    start = min(ctx.local_slice.start, ctx.seq_len)
-    local = ctx.rows.take(embeds, start, start + ctx.local_real_len)
+    local = ctx.rows.take(embeds, ctx.local_positions[: ctx.local_real_len])
     return torch.nn.functional.pad(local, (0, 0, 0, ctx.local_pad_len))
 
 

@@ -32,7 +32,14 @@ from ..settings import SETTINGS
 from ..stats import STATS
 from .agreement import agree_on_batch
 from .arguments import call_arguments, pixels_on_device
-from .checks import cumulative_lengths_mask, is_packed_row, plan_batch, setup_problem, stock_gets_packed_row_right
+from .checks import (
+    cumulative_lengths_mask,
+    is_packed_row,
+    plan_batch,
+    setup_problem,
+    stock_gets_packed_row_right,
+    ulysses_of,
+)
 from .rows import lay_out
 from .slicing import cut_to_slice
 
@@ -68,7 +75,9 @@ def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | Non
     agree_on_batch(cp, problem, call, model)
     cumulative = call["attention_mask"] if cumulative_lengths_mask(call) else None
     segments, rows = lay_out(call, plan)
-    ctx = CPContext(cp=cp, segments=segments, rows=rows, cumulative_lengths=cumulative)
+    ulysses = ulysses_of(model.config.get_text_config(), cp.size)
+    ctx = CPContext(cp=cp, segments=segments, rows=rows, ulysses=ulysses, cumulative_lengths=cumulative)
+    ctx.groups  # the ring's process groups, created on every rank now (collective), before any compute
     cut_to_slice(model, call, ctx)
     STATS.record(ctx)
     return ctx

@@ -181,7 +181,8 @@ def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, cp: CPG
     padded = round_up(merged, cp.size) * unit  # whole merged tokens on every rank
     lengths = frames + ([padded - sum(frames)] if padded > sum(frames) else [])
     vision_ctx = CPContext(cp=cp, segments=segments_from_lengths(lengths))  # attention within each segment
-    rows, local_len = vision_ctx.local_slice, vision_ctx.local_len
+    local_len = vision_ctx.local_len
+    rows = slice(cp.rank * local_len, (cp.rank + 1) * local_len)
     placement = _tower_placement(tower)
     # A copy, on CPU too: a view would keep the caller's whole pixel batch alive until backward.
     real = pixels[rows.start : min(rows.stop, pixels.shape[0])].to(**placement, copy=True)
@@ -215,7 +216,7 @@ def features_of_slice(tower, pixels: torch.Tensor, grid: torch.Tensor, tokens: t
     """(tower output, joined features of the placeholder tokens in this rank's slice, in order). `tokens`: the row
     positions of this modality's placeholder tokens."""
     cp = ctx.cp
-    owner = (tokens // ctx.local_len).cpu()
+    owner = ctx.owner_of(tokens)
     if not SETTINGS.vision_dp:
         placement = _tower_placement(tower)
         out = tower(pixels.to(**placement), grid_thw=grid.to(placement["device"]), **kwargs)

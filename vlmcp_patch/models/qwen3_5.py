@@ -32,6 +32,7 @@ from ..forward.arguments import call_arguments
 from ..patching import Patch, source_digest
 from ..supported import Family, register
 from .base import ImageFeatures, family_patches
+from .deltanet_ring import conv_over_ring, delta_rule_over_ring
 
 FAMILIES = register(
     Family(
@@ -109,7 +110,7 @@ class _HeadShare:
 
     @classmethod
     def of(cls, layer, ctx: CPContext) -> _HeadShare:
-        size, rank = ctx.cp.size, ctx.cp.rank
+        size, rank = ctx.groups.ulysses.size, ctx.groups.ulysses.rank
         repeat = kv_replication(layer.num_v_heads, layer.num_k_heads, size, type(layer).__name__, ("value", "key"))
         keys, values = layer.num_k_heads * repeat // size, layer.num_v_heads // size
         return cls(
@@ -128,7 +129,8 @@ def _heads_over_whole_sequence(layer, mixed: torch.Tensor, share: _HeadShare, ct
     v = v.reshape(batch, local_len, layer.num_v_heads, layer.head_v_dim)
     if share.repeat > 1:
         q, k = q.repeat_interleave(share.repeat, dim=BSHD.heads), k.repeat_interleave(share.repeat, dim=BSHD.heads)
-    return tuple(all_to_all(t, BSHD.heads, BSHD.seq, ctx.cp.group, ctx.cp.size) for t in (q, k, v))
+    ulysses = ctx.groups.ulysses
+    return tuple(all_to_all(t, BSHD.heads, BSHD.seq, ulysses.group, ulysses.size) for t in (q, k, v))
 
 
 def _gates(layer, b: torch.Tensor, a: torch.Tensor, share: _HeadShare, ctx: CPContext):
@@ -140,7 +142,7 @@ def _gates(layer, b: torch.Tensor, a: torch.Tensor, share: _HeadShare, ctx: CPCo
     rank that holds the head.
     """
     heads = slice(share.value_heads[0], share.value_heads[-1] + 1)
-    b, a = (all_to_all(t, BSHD.heads, BSHD.seq, ctx.cp.group, ctx.cp.size) for t in (b, a))
+    b, a = (all_to_all(t, BSHD.heads, BSHD.seq, ctx.groups.ulysses.group, ctx.groups.ulysses.size) for t in (b, a))
     beta = b.sigmoid()
     g = -layer.A_log[heads].float().exp() * F.softplus(a.float() + layer.dt_bias[heads])
     return beta, g
@@ -152,18 +154,19 @@ def _segment_ids(ctx: CPContext, device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(segments), device=device, dtype=torch.int32), lengths)[None]
 
 
-def _causal_conv(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
-    """The depthwise causal conv on this rank's channels, with the matching rows of the conv weight."""
+def _conv_inputs(layer, q, k, v, share: _HeadShare):
+    """q, k, v side by side as the conv's channels (B, C, T), and the matching rows of the conv weight and bias."""
     batch, seq = q.shape[:2]
     channels = _local_conv_channels(layer, share.key_heads, share.value_heads)
     weight = layer.conv1d.weight.squeeze(1)[channels]
     bias = None if layer.conv1d.bias is None else layer.conv1d.bias[channels]
     mixed = torch.cat([t.reshape(batch, seq, -1) for t in (q, k, v)], dim=-1).transpose(1, 2)
-    conv = modeling.causal_conv1d_fn
-    if _takes_packed_sequences(conv):
-        mixed = conv(mixed, weight, bias, activation=layer.activation, seq_idx=_segment_ids(ctx, mixed.device))
-    else:
-        mixed = _per_sample(conv, ctx, 2, mixed, weight=weight, bias=bias, activation=layer.activation)
+    return mixed, weight, bias
+
+
+def _conv_outputs(layer, mixed: torch.Tensor, share: _HeadShare):
+    """The conv's output channels (B, C, T) back to q, k (B, T, Hk, K) and v (B, T, Hv, V)."""
+    batch, seq = mixed.shape[0], mixed.shape[2]
     key_width = len(share.key_heads) * layer.head_k_dim
     q, k, v = torch.split(mixed.transpose(1, 2), [key_width, key_width, len(share.value_heads) * layer.head_v_dim], -1)
     return (
@@ -173,6 +176,24 @@ def _causal_conv(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
     )
 
 
+def _causal_conv(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
+    """The depthwise causal conv on this rank's channels over the whole row, reset at every sample."""
+    mixed, weight, bias = _conv_inputs(layer, q, k, v, share)
+    conv = modeling.causal_conv1d_fn
+    if _takes_packed_sequences(conv):
+        mixed = conv(mixed, weight, bias, activation=layer.activation, seq_idx=_segment_ids(ctx, mixed.device))
+    else:
+        mixed = _per_sample(conv, ctx, 2, mixed, weight=weight, bias=bias, activation=layer.activation)
+    return _conv_outputs(layer, mixed, share)
+
+
+def _causal_conv_over_ring(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
+    """The conv on this rank's channels over its subgroup's two chunks, each reading back through its halo."""
+    mixed, weight, bias = _conv_inputs(layer, q, k, v, share)
+    mixed = conv_over_ring(modeling.causal_conv1d_fn, mixed, weight, bias, layer.activation, ctx)
+    return _conv_outputs(layer, mixed, share)
+
+
 @functools.cache
 def _rule_expects_repeated_keys(layer_class: type) -> bool:
     """Whether the installed layer repeats q and k to the value heads before calling the delta rule (see
@@ -180,11 +201,29 @@ def _rule_expects_repeated_keys(layer_class: type) -> bool:
     return source_digest(layer_class.forward) in FORWARD_REPEATS_KEY_HEADS
 
 
-def _delta_rule(modeling, layer, q, k, v, g, beta, ctx: CPContext) -> torch.Tensor:
-    """The gated delta rule of this rank's heads over the whole row, reset at every packed sample."""
+def _keys_for_rule(layer, q, k, v):
+    """q and k as the installed release's rule functions expect them (repeated to the value heads up to 5.22)."""
     if _rule_expects_repeated_keys(type(layer)) and v.shape[BSHD.heads] != q.shape[BSHD.heads]:
         groups = v.shape[BSHD.heads] // q.shape[BSHD.heads]
         q, k = q.repeat_interleave(groups, dim=BSHD.heads), k.repeat_interleave(groups, dim=BSHD.heads)
+    return q, k
+
+
+def _delta_rule_over_ring(modeling, layer, q, k, v, g, beta, ctx: CPContext) -> torch.Tensor:
+    """The gated delta rule of this rank's heads over its subgroup's two chunks, each from its true initial state."""
+    q, k = _keys_for_rule(layer, q, k, v)
+    rule = modeling.torch_chunk_gated_delta_rule
+
+    def piece(q, k, v, g, beta, initial_state):
+        return rule(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                    use_qk_l2norm_in_kernel=True)
+
+    return delta_rule_over_ring(piece, q, k, v, g, beta, ctx)
+
+
+def _delta_rule(modeling, layer, q, k, v, g, beta, ctx: CPContext) -> torch.Tensor:
+    """The gated delta rule of this rank's heads over the whole row, reset at every packed sample."""
+    q, k = _keys_for_rule(layer, q, k, v)
     rule = modeling.torch_chunk_gated_delta_rule
     options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
     if _takes_packed_sequences(rule):
@@ -202,9 +241,14 @@ def gated_deltanet_over_cp(layer, hidden_states: torch.Tensor, ctx: CPContext) -
 
     q, k, v = _heads_over_whole_sequence(layer, layer.in_proj_qkv(hidden_states), share, ctx)
     beta, g = _gates(layer, layer.in_proj_b(hidden_states), layer.in_proj_a(hidden_states), share, ctx)
-    q, k, v = _causal_conv(modeling, layer, q, k, v, share, ctx)
-    out = _delta_rule(modeling, layer, q, k, v, g, beta, ctx)
-    out = all_to_all(out, BSHD.seq, BSHD.heads, ctx.cp.group, ctx.cp.size)  # (batch, local_len, num_v, head_v_dim)
+    if ctx.contiguous:  # this rank's heads over the whole row
+        q, k, v = _causal_conv(modeling, layer, q, k, v, share, ctx)
+        out = _delta_rule(modeling, layer, q, k, v, g, beta, ctx)
+    else:  # this rank's heads over its subgroup's two chunks, the state passed around the ring
+        q, k, v = _causal_conv_over_ring(modeling, layer, q, k, v, share, ctx)
+        out = _delta_rule_over_ring(modeling, layer, q, k, v, g, beta, ctx)
+    ulysses = ctx.groups.ulysses
+    out = all_to_all(out, BSHD.seq, BSHD.heads, ulysses.group, ulysses.size)  # (batch, local_len, num_v, head_v_dim)
 
     out = layer.norm(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(out.reshape(batch, local_len, -1))
