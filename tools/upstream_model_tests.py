@@ -18,7 +18,8 @@ release (never commit it):
   ``tests/vlm_tester.py``, ``tests/pipelines/`` (when ``tests/test_pipeline_mixin.py`` imports it),
   ``utils/test_module/`` and ``utils/fetch_hub_objects_for_ci.py``;
 * link ``ROOT/src/transformers`` to the installed package (some test helpers read it from there);
-* install the test-only packages they import: ``pip install parameterized httpx``.
+* install the test-only packages they import: ``pip install parameterized httpx pytest-xdist`` (transformers'
+  conftest registers xdist hooks).
 
 Example: ``python tools/upstream_model_tests.py /work/upstream-tests/5.24.0 --families qwen3_5 -k generate``
 """

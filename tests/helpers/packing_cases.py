@@ -46,43 +46,56 @@ def _alone_reference(model, alone: list[dict]):
         vlmcp_patch.apply()
 
 
-def run_packing_cases(rank: int, world_size: int, families: list[str], cu_seq_lens: bool = False) -> dict:
+def compare_packed(model, row: dict, alone: list[dict], world_size: int) -> dict:
+    """The packed row under CP (or the package's P=1 path) against its samples run one by one through stock."""
     import vlmcp_patch
-    from tests.helpers.cases import crosses_shard_edge, vision_exchanges
     from vlmcp_patch.fixtures.compare import gradient_errors, rel_err, summed_over_group
     from vlmcp_patch.fixtures.probes import CollectiveProbe
+
+    ref_loss, ref_logits, ref_grads = _alone_reference(model, alone)
+    vlmcp_patch.enable(cp_size=world_size)
+    try:
+        model.zero_grad(set_to_none=True)
+        with CollectiveProbe() as counter:
+            out = model(**row)
+            out.loss.backward()
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in row.items() if k != "labels"}).logits
+    finally:
+        vlmcp_patch.enable(cp_size=1)
+    group = vlmcp_patch.get_cp_group(world_size).group if world_size > 1 else None
+    per_rank = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = summed_over_group({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, group)
+    errors, decay = gradient_errors(grads, ref_grads)
+    worst = max(errors, key=errors.get)
+    return {
+        "loss": float(out.loss.detach()),
+        "loss_err": rel_err(out.loss, ref_loss),
+        "logits_err": rel_err(logits, ref_logits),
+        "grad_err": errors[worst],
+        "worst_grad": worst,
+        "decay_path_grad_err": max(decay.values(), default=0.0),
+        "missing_grads": sorted(set(ref_grads) - set(grads)),
+        "exchanges": counter.calls["all_to_all_single"],
+        "ring_sends": counter.calls["batch_isend_irecv"],
+        "per_rank_grads_equal_reference": all(torch.equal(per_rank.get(n, torch.zeros_like(g)), g)
+                                              for n, g in ref_grads.items()),
+    }
+
+
+def run_packing_cases(rank: int, world_size: int, families: list[str], cu_seq_lens: bool = False) -> dict:
+    from tests.helpers.cases import crosses_shard_edge, vision_exchanges
 
     results = {}
     for family in families:
         model = build_model(CONFIGS[family](), seed=1)
         row, alone = make_packed_batch(PACKED, seed=3, return_cu_seq_lens=cu_seq_lens)
-        ref_loss, ref_logits, ref_grads = _alone_reference(model, alone)
-
-        vlmcp_patch.enable(cp_size=world_size)
-        try:
-            model.zero_grad(set_to_none=True)
-            with CollectiveProbe() as counter:
-                out = model(**row)
-                out.loss.backward()
-            with torch.no_grad():
-                logits = model(**{k: v for k, v in row.items() if k != "labels"}).logits
-        finally:
-            vlmcp_patch.enable(cp_size=1)
-        group = vlmcp_patch.get_cp_group(world_size).group if world_size > 1 else None
-        grads = summed_over_group({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, group)
-        errors, decay = gradient_errors(grads, ref_grads)
-        worst = max(errors, key=errors.get)
+        metrics = compare_packed(model, row, alone, world_size)
         local = -(-row["input_ids"].shape[1] // world_size)
         edges = range(local, row["input_ids"].shape[1], local)
         starts = (row["position_ids"][0] == 0).nonzero().flatten().tolist() + [row["input_ids"].shape[1]]
         results[family] = {
-            "loss_err": rel_err(out.loss, ref_loss),
-            "logits_err": rel_err(logits, ref_logits),
-            "grad_err": errors[worst],
-            "worst_grad": worst,
-            "decay_path_grad_err": max(decay.values(), default=0.0),
-            "missing_grads": sorted(set(ref_grads) - set(grads)),
-            "exchanges": counter.calls["all_to_all_single"],
+            **metrics,
             "vision_exchanges": vision_exchanges(row, world_size) if world_size > 1 else 0,
             "edges_inside_samples": all(any(a < e < b for a, b in zip(starts[:-1], starts[1:])) for e in edges),
             "edge_inside_image": crosses_shard_edge(row["input_ids"], world_size),

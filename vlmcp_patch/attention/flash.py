@@ -34,6 +34,7 @@ from ..errors import UnsupportedSetupError
 from ..patching import Patch, resolve
 from .foreign import attention_context, kernel_on_whole_sequence, record_exchange
 from .heads import kv_replication
+from .ring import ring_attention, ring_shares
 
 ENTRY_MODULES = ("flash_attn", "flash_attn.flash_attn_interface")
 
@@ -63,28 +64,45 @@ def _check_boundaries(given: torch.Tensor, ctx: CPContext, name: str) -> None:
 
 
 def _heads_over_whole_row(q, k, v, ctx: CPContext):
-    """q, k, v (local tokens, heads, dim) -> (padded row, heads / P, dim), KV heads replicated where fewer."""
-    repeat = kv_replication(q.shape[1], k.shape[1], ctx.cp.size, what="flash-attn call")
+    """q, k, v (local tokens, heads, dim) -> (the subgroup's share of the row, heads / U, dim), KV heads replicated
+    where fewer."""
+    ulysses = ctx.groups.ulysses
+    repeat = kv_replication(q.shape[1], k.shape[1], ulysses.size, what="flash-attn call")
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    return tuple(all_to_all(t, THD[1], THD[0], ctx.cp.group, ctx.cp.size) for t in (q, k, v))
+    return tuple(all_to_all(t, THD[1], THD[0], ulysses.group, ulysses.size) for t in (q, k, v))
+
+
+def _around_the_ring(q, k, v, ctx: CPContext, options: dict) -> torch.Tensor:
+    """The subgroup's share of the row attending over the whole row around the ring (`ring.py`): (T, H/U, D) each."""
+    unsupported = [name for name in ("window_size", "softcap", "alibi_slopes", "dropout_p")
+                   if options.get(name) not in (None, 0, 0.0, (-1, -1))]
+    if not options.get("causal") or unsupported:
+        raise UnsupportedSetupError(f"flash-attn across a CP ring (P beyond the heads) runs causal attention only, "
+                                    f"without {', '.join(unsupported) or 'causal=False'}")
+    scale = options.get("softmax_scale") or q.shape[-1] ** -0.5
+    heads_first = [t.transpose(0, 1)[None] for t in (q, k, v)]
+    return ring_attention(*heads_first, ring_shares(ctx), ctx.groups.ring, scale)[0].transpose(0, 1)
 
 
 def _varlen_over_row(varlen, q, k, v, ctx: CPContext, options: dict) -> torch.Tensor:
-    """The real varlen kernel on this rank's slice (local tokens, heads, dim) of the row: output in the same layout."""
+    """The real varlen kernel on this rank's slice (local tokens, heads, dim) of the row: output in the same layout.
+    Across a ring (P beyond the heads) the ring's kernel runs instead."""
     if options.get("block_table") is not None or options.get("return_attn_probs"):
         raise UnsupportedSetupError("flash-attn under CP: a KV-cache block table or return_attn_probs=True cannot be "
                                     "split over the sequence; call it inside `with vlmcp_patch.disabled():`")
-    rank, size = ctx.cp.rank, ctx.cp.size
+    ulysses = ctx.groups.ulysses
     if options.get("alibi_slopes") is not None:  # per head: this rank's heads
-        options["alibi_slopes"] = options["alibi_slopes"].chunk(size, dim=-1)[rank]
+        options["alibi_slopes"] = options["alibi_slopes"].chunk(ulysses.size, dim=-1)[ulysses.rank]
     q, k, v = _heads_over_whole_row(q, k, v, ctx)
-    cu = ctx.cu_seqlens(q.device)
-    longest = ctx.max_segment_len
     with kernel_on_whole_sequence():
-        out = varlen(q, k, v, cu, cu, longest, longest, **options)
+        if ctx.contiguous:
+            cu, longest = ctx.cu_seqlens(q.device), ctx.max_segment_len
+            out = varlen(q, k, v, cu, cu, longest, longest, **options)
+        else:
+            out = _around_the_ring(q, k, v, ctx, options)
     record_exchange(ctx)
-    return all_to_all(out, THD[0], THD[1], ctx.cp.group, size)
+    return all_to_all(out, THD[0], THD[1], ulysses.group, ulysses.size)
 
 
 def cp_flash_attn_varlen_func(wrapped, instance, args, kwargs):

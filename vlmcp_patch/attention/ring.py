@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..context import CPContext
 from ..distributed import RingPeers
 
 NEG_INF = float("-inf")
@@ -51,30 +52,61 @@ def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def torch_block(q, k, v, allowed, scale):
-    """Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) under `allowed` (Tq, Tk): (out, lse (B, H, Tq)), fp32
-    math; a query with no key allowed gets out 0 and lse -inf."""
+TILE = 1024  # keys per tile of a block: the scores of (queries x TILE) are the block's working memory
+
+
+@dataclass(frozen=True)
+class Block:
+    """One ring step's pairing: this member's queries against one member's keys, by row position and segment."""
+
+    q_pos: torch.Tensor
+    q_seg: torch.Tensor
+    k_pos: torch.Tensor
+    k_seg: torch.Tensor
+
+    def tiles(self):
+        """(key slice, allowed (Tq, tile)) of each tile of keys any query may attend to."""
+        for start in range(0, self.k_pos.numel(), TILE):
+            keys = slice(start, min(start + TILE, self.k_pos.numel()))
+            allowed = block_mask(self.q_pos, self.q_seg, self.k_pos[keys], self.k_seg[keys])
+            if bool(allowed.any()):
+                yield keys, allowed
+
+
+def _scores(q, k, allowed, scale):
+    return (torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale).masked_fill(~allowed, NEG_INF)
+
+
+def torch_block(q, k, v, block: Block, scale):
+    """Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) where `block` allows it, tile by tile of keys:
+    (out fp32, lse (B, H, Tq)); a query with no key allowed gets out 0 and lse -inf. None when nothing is allowed."""
     k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, NEG_INF)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0)[..., None])
-    return torch.matmul(probs, v.float()).to(q.dtype), lse
+    out = lse = None
+    for keys, allowed in block.tiles():
+        scores = _scores(q, k[:, :, keys], allowed.to(q.device), scale)
+        tile_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - tile_lse.masked_fill(tile_lse == NEG_INF, 0)[..., None])
+        out, lse = merge(out, lse, torch.matmul(probs, v[:, :, keys].float()), tile_lse)
+    return out, lse
 
 
-def torch_block_backward(dout, q, k, v, out, lse, allowed, scale):
-    """Gradients (dq, dk, dv) of one block given the merged output and log-sum-exp (flash-attention's backward)."""
+def torch_block_backward(dout, q, k, v, out, lse, block: Block, scale):
+    """Gradients (dq, dk, dv) fp32 of one block given the merged output and log-sum-exp (flash-attention's
+    backward: with the merged log-sum-exp each tile's probabilities are the true ones)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     ke, ve = _expand_kv(k, heads).float(), _expand_kv(v, heads).float()
-    scores = torch.matmul(q.float(), ke.transpose(-1, -2)) * scale
-    probs = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0)[..., None]).masked_fill(~allowed, 0)
     dout = dout.float()
-    dv = torch.matmul(probs.transpose(-1, -2), dout)
-    dprobs = torch.matmul(dout, ve.transpose(-1, -2))
     delta = (dout * out.float()).sum(-1, keepdim=True)
-    dscores = probs * (dprobs - delta) * scale
-    dq = torch.matmul(dscores, ke)
-    dk = torch.matmul(dscores.transpose(-1, -2), q.float())
+    safe_lse = lse.masked_fill(lse == NEG_INF, 0)[..., None]
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
+    for keys, allowed in block.tiles():
+        allowed = allowed.to(q.device)
+        probs = torch.exp(_scores(q, ke[:, :, keys], allowed, scale) - safe_lse).masked_fill(~allowed, 0)
+        dv[:, :, keys] = torch.matmul(probs.transpose(-1, -2), dout)
+        dscores = probs * (torch.matmul(dout, ve[:, :, keys].transpose(-1, -2)) - delta) * scale
+        dq += torch.matmul(dscores, ke[:, :, keys])
+        dk[:, :, keys] = torch.matmul(dscores.transpose(-1, -2), q.float())
     if kv_heads != heads:  # the gradient of a replicated KV head is the sum over its query group
         dk = dk.unflatten(1, (kv_heads, -1)).sum(2)
         dv = dv.unflatten(1, (kv_heads, -1)).sum(2)
@@ -99,8 +131,14 @@ class Shares:
     positions: list[torch.Tensor]
     segments: list[torch.Tensor]
 
-    def allowed(self, mine: int, theirs: int) -> torch.Tensor:
-        return block_mask(self.positions[mine], self.segments[mine], self.positions[theirs], self.segments[theirs])
+    def block(self, mine: int, theirs: int) -> Block:
+        return Block(self.positions[mine], self.segments[mine], self.positions[theirs], self.segments[theirs])
+
+
+def ring_shares(ctx: CPContext) -> Shares:
+    """Positions and segments of every ring member's share of the row: its subgroup's tokens, ascending."""
+    positions = [ctx.split.subgroup_positions(g) for g in range(ctx.ring_size)]
+    return Shares(positions=positions, segments=[ctx.segment_ids[p] for p in positions])
 
 
 class _RingAttention(torch.autograd.Function):
@@ -115,9 +153,8 @@ class _RingAttention(torch.autograd.Function):
             owner = (peers.index - step) % peers.size
             if step < peers.size - 1:
                 incoming = _pass_on([held_k, held_v], peers)
-            allowed = shares.allowed(peers.index, owner)
-            if bool(allowed.any()):
-                block_out, block_lse = torch_block(q, held_k, held_v, allowed, scale)
+            block_out, block_lse = torch_block(q, held_k, held_v, shares.block(peers.index, owner), scale)
+            if block_out is not None:
                 out, lse = merge_fn(out, lse, block_out, block_lse)
             if step < peers.size - 1:
                 held_k, held_v = incoming
@@ -135,11 +172,10 @@ class _RingAttention(torch.autograd.Function):
         held_dk, held_dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
         for step in range(peers.size):
             owner = (peers.index - step) % peers.size
-            allowed = shares.allowed(peers.index, owner)
-            if bool(allowed.any()):
-                dq_b, dk_b, dv_b = torch_block_backward(dout, q, held_k, held_v, out, lse, allowed, scale)
-                dq += dq_b
-                held_dk, held_dv = held_dk + dk_b, held_dv + dv_b
+            dq_b, dk_b, dv_b = torch_block_backward(dout, q, held_k, held_v, out, lse,
+                                                     shares.block(peers.index, owner), scale)
+            dq += dq_b
+            held_dk, held_dv = held_dk + dk_b, held_dv + dv_b
             if peers.size == 1:
                 break
             # the gradients travel with their keys: after the last block they take one more hop, to their owner

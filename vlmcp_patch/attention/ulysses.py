@@ -24,7 +24,7 @@ from ..settings import cp_size
 from ..supported import unsupported_model_message
 from .foreign import kernel_on_whole_sequence, record_exchange
 from .heads import BHSD, BSHD, kv_replication
-from .ring import Shares, ring_attention
+from .ring import ring_attention, ring_shares
 
 # Keyword arguments that describe the *local* sequence; under CP the global ones replace them.
 _LOCAL_SEQUENCE_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -69,12 +69,6 @@ def _ring_call(module, q, k, v, ctx: CPContext, kwargs) -> torch.Tensor:
                                     "model's attention_dropout to 0 or choose a CP size that divides the heads")
     scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
     return ring_attention(q, k, v, ring_shares(ctx), ctx.groups.ring, scale).transpose(1, 2)
-
-
-def ring_shares(ctx: CPContext) -> Shares:
-    """Positions and segments of every ring member's share: its subgroup's tokens, ascending."""
-    positions = [ctx.split.subgroup_positions(g) for g in range(ctx.ring_size)]
-    return Shares(positions=positions, segments=[ctx.segment_ids[p] for p in positions])
 
 
 def attention_over_cp(original, flavor: str, module, query, key, value, ctx: CPContext, kwargs) -> torch.Tensor:

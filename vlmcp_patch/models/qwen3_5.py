@@ -190,7 +190,7 @@ def _causal_conv(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
 def _causal_conv_over_ring(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
     """The conv on this rank's channels over its subgroup's two chunks, each reading back through its halo."""
     mixed, weight, bias = _conv_inputs(layer, q, k, v, share)
-    mixed = conv_over_ring(modeling.causal_conv1d_fn, mixed, weight, bias, layer.activation, ctx)
+    mixed = conv_over_ring(modeling.causal_conv1d_fn, mixed, ctx, weight=weight, bias=bias, activation=layer.activation)
     return _conv_outputs(layer, mixed, share)
 
 

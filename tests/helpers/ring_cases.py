@@ -1,0 +1,118 @@
+"""CP sizes beyond (or not dividing) the heads: the P = U x R layout, run inside the spawned ranks.
+
+The whole-model cases compare with stock at P=1 as the parity cases do (`parity.compare`); each also reports the
+layout the package chose and the ring's point-to-point traffic. The ring-attention case runs the ring's attention
+alone on random tensors against attention over the whole sequence, with the log-sum-exp merge as given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.cases import MULTI_IMAGE, PADDED_PAIR, build_batch
+from vlmcp_patch.fixtures.data import Segment, make_packed_batch
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
+
+S = Segment
+# Packed rows (their samples and images straddle the ring's chunks), compared with their samples run one by one.
+PACKED = {
+    "packed_multimodal": [[S(text=6), S(image=(24, 16)), S(text=9)], [S(text=11)],
+                          [S(text=3), S(image=(16, 16)), S(text=4)]],
+    "packed_text": [[S(text=9)], [S(text=14)], [S(text=6)]],
+}
+
+EIGHT_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 2}
+TWO_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1}
+TWO_VALUE_HEADS = {"linear_num_key_heads": 1, "linear_num_value_heads": 2}
+CONFIGS = {
+    "qwen3_vl-8": lambda: tiny_qwen3_vl_config(**EIGHT_HEADS),
+    "qwen3_vl_moe-8": lambda: tiny_qwen3_vl_config(moe=True, **EIGHT_HEADS),
+    "qwen3_5-8": lambda: tiny_qwen3_5_config(**EIGHT_HEADS),  # 8 DeltaNet value heads, 2 key heads
+    "qwen3_5_moe-8": lambda: tiny_qwen3_5_config(moe=True, **EIGHT_HEADS),
+    "qwen3_vl-2": lambda: tiny_qwen3_vl_config(**TWO_HEADS),
+    "qwen3_vl_moe-2": lambda: tiny_qwen3_vl_config(moe=True, **TWO_HEADS),
+    "qwen3_5-2": lambda: tiny_qwen3_5_config(**TWO_HEADS, **TWO_VALUE_HEADS),
+    "qwen3_5_moe-2": lambda: tiny_qwen3_5_config(moe=True, **TWO_HEADS, **TWO_VALUE_HEADS),
+    "qwen3_5_causal_lm-2": lambda: tiny_qwen3_5_config(text_only=True, **TWO_HEADS, **TWO_VALUE_HEADS),
+}
+LAYOUTS = {"multi_image": MULTI_IMAGE, "padded_pair": PADDED_PAIR}
+
+# (config, batch) per CP size: 8 query heads split 3 (U=1, R=3) and 6 (U=2, R=3) ways; 2 query heads and 2 DeltaNet
+# value heads split 4 (U=2, R=2) and 8 (U=2, R=4) ways.
+CASES = {
+    3: [("qwen3_vl-8", "multi_image"), ("qwen3_vl_moe-8", "padded_pair"), ("qwen3_5-8", "packed_multimodal"),
+        ("qwen3_5_moe-8", "multi_image")],
+    6: [("qwen3_vl-8", "packed_multimodal"), ("qwen3_5-8", "padded_pair")],
+    4: [("qwen3_vl-2", "packed_multimodal"), ("qwen3_vl_moe-2", "multi_image"), ("qwen3_5-2", "padded_pair"),
+        ("qwen3_5_moe-2", "packed_multimodal"), ("qwen3_5_causal_lm-2", "packed_text")],
+    8: [("qwen3_vl-2", "multi_image"), ("qwen3_5-2", "packed_multimodal")],
+}
+
+
+def _compared(model, layout: str, world_size: int) -> dict:
+    """Against stock on the same batch — or, for a packed row, against its samples run one by one through stock (stock
+    computes no per-sample positions for pictures and runs the DeltaNet layers across samples)."""
+    from tests.helpers.packing_cases import compare_packed
+    from tests.helpers.parity import compare
+    from vlmcp_patch.fixtures.probes import CollectiveProbe
+
+    if layout in PACKED:
+        return compare_packed(model, *make_packed_batch(PACKED[layout], seed=5), world_size)
+    with CollectiveProbe() as probe:
+        metrics = compare(model, build_batch(LAYOUTS[layout], seed=7), world_size)
+    return {**metrics, "ring_sends": probe.calls["batch_isend_irecv"]}
+
+
+def run_ring_cases(rank: int, world_size: int) -> dict:
+    from vlmcp_patch.forward.checks import ulysses_of
+
+    results = {}
+    for config_name, layout in CASES[world_size]:
+        config = CONFIGS[config_name]()
+        metrics = _compared(build_model(config, seed=1), layout, world_size)
+        metrics["ulysses"] = ulysses_of(config.get_text_config(), world_size)
+        results[f"{config_name} {layout}"] = metrics
+    return results
+
+
+def ring_attention_alone(rank: int, world_size: int, wrong_merge: bool = False, tile: int = 5) -> dict:
+    """The ring's attention of random q, k, v over a row of three segments, at R = world size and U = 1, with small
+    key tiles (several tiles and ring steps to merge), against softmax attention over the whole row per segment."""
+    from vlmcp_patch.attention import ring
+    from vlmcp_patch.context import CPContext
+    from vlmcp_patch.distributed import get_cp_group
+    from vlmcp_patch.fixtures.compare import rel_err
+
+    import vlmcp_patch
+
+    vlmcp_patch.enable(cp_size=world_size)
+    ctx = CPContext(cp=get_cp_group(world_size), segments=[(0, 9), (9, 26), (26, 31)], ulysses=1)
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(1, 2, ctx.padded_len, 8, generator=g, requires_grad=True) for _ in range(3)]
+    mine = ctx.split.subgroup_positions(ctx.groups.ring.index)
+    local = [t.detach()[:, :, mine].clone().requires_grad_(True) for t in full]
+
+    def averaged(out, lse, block_out, block_lse):  # the control: blocks averaged, not weighted by their lse
+        return (block_out.float(), block_lse) if out is None else ((out + block_out.float()) / 2, lse)
+
+    previous, ring.TILE = ring.TILE, tile
+    try:
+        out = ring.ring_attention(*local, ring.ring_shares(ctx), ctx.groups.ring, 8 ** -0.5,
+                                  merge_fn=averaged if wrong_merge else ring.merge)
+    finally:
+        ring.TILE = previous
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
+    (out * weights).sum().backward()
+    reference = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(t[:, :, a:b] for t in full), is_causal=True) for a, b in ctx.attention_segments], dim=2)
+    all_weights = torch.zeros_like(reference)
+    for r in range(world_size):
+        positions = ctx.split.subgroup_positions(r)
+        all_weights[:, :, positions] = torch.randn(out.shape, generator=torch.Generator().manual_seed(r))
+    (reference * all_weights).sum().backward()
+    vlmcp_patch.enable(cp_size=1)
+    return {  # k's and v's gradients came back around the ring to their owner: each rank holds its own, whole
+        "out_err": rel_err(out, reference[:, :, mine]),
+        "dq_err": rel_err(local[0].grad, full[0].grad[:, :, mine]),
+        "dkv_err": max(rel_err(local[i + 1].grad, full[i + 1].grad[:, :, mine]) for i in range(2)),
+    }
