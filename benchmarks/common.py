@@ -62,15 +62,17 @@ def _released_config(config_class, text: dict, vision: dict):
     return config
 
 
-def qwen3_vl_2b_like(layers: int = 2, vision_depth: int = 3, scale: int = 1):
+def qwen3_vl_2b_like(layers: int = 2, vision_depth: int = 3, scale: int = 1, heads: int = 16):
     """Qwen3-VL-2B's vocabulary, hidden size and heads (text: 16 query / 8 KV heads of 128; vision: 1024
     wide, 16 heads, patch 16, three deepstack levels), with `layers` decoder layers; every width and the
-    vocabulary divided by `scale` (the head counts kept)."""
+    vocabulary divided by `scale` (the head counts kept); `heads` query heads (half as many KV heads) to take a CP
+    size beyond them."""
     from transformers import Qwen3VLConfig
 
     head_dim = 128 // scale
     text = dict(vocab_size=151936 // scale, hidden_size=2048 // scale, intermediate_size=6144 // scale,
-                num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8, head_dim=head_dim,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                head_dim=head_dim,
                 max_position_embeddings=262144,
                 rope_parameters={"rope_type": "default", "rope_theta": 5e6,
                                  "mrope_section": _mrope_sections([24, 20, 20], head_dim // 2)})
@@ -78,7 +80,7 @@ def qwen3_vl_2b_like(layers: int = 2, vision_depth: int = 3, scale: int = 1):
     return _released_config(Qwen3VLConfig, text, vision)
 
 
-def qwen3_5_like(layers: int = 2, vision_depth: int = 3, scale: int = 1):
+def qwen3_5_like(layers: int = 2, vision_depth: int = 3, scale: int = 1, heads: int = 16):
     """Qwen3.5's vocabulary and heads (16 query / 4 KV heads of 256; DeltaNet 16 key / 32 value heads of 128)
     with hidden size 2048 and `layers` layers: DeltaNet layers with a full-attention layer last (Qwen3.5 has
     three DeltaNet layers per full-attention layer; two layers keep four ranks of the 248,320-word model
@@ -88,7 +90,7 @@ def qwen3_5_like(layers: int = 2, vision_depth: int = 3, scale: int = 1):
     kinds = ["linear_attention"] * (layers - 1) + ["full_attention"]
     head_dim = 256 // scale
     text = dict(vocab_size=248320 // scale, hidden_size=2048 // scale, intermediate_size=6144 // scale,
-                num_hidden_layers=layers, layer_types=kinds, num_attention_heads=16, num_key_value_heads=4,
+                num_hidden_layers=layers, layer_types=kinds, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
                 head_dim=head_dim, linear_num_key_heads=16, linear_num_value_heads=32,
                 linear_key_head_dim=128 // scale, linear_value_head_dim=128 // scale, linear_conv_kernel_dim=4,
                 max_position_embeddings=262144,
@@ -127,10 +129,10 @@ def packed_sample(name: str) -> dict:
     return make_packed_batch(SAMPLES[name], seed=0, processor=real_image_processor())[0]
 
 
-def build_benchmark_model(name: str, layers: int = 2, vision_depth: int = 3, scale: int = 1):
+def build_benchmark_model(name: str, layers: int = 2, vision_depth: int = 3, scale: int = 1, **heads):
     """The model, its (tied) embeddings frozen: their gradient would be the largest tensor of every rank and
     does not depend on P; activations do not change."""
-    model = build_model(MODELS[name](layers=layers, vision_depth=vision_depth, scale=scale), seed=0)
+    model = build_model(MODELS[name](layers=layers, vision_depth=vision_depth, scale=scale, **heads), seed=0)
     model.get_input_embeddings().requires_grad_(False)
     return model
 

@@ -3,7 +3,7 @@ proportions, on a packed row of a given length: the step's peak and the longest 
 
     python -m benchmarks.memory [--model qwen3-vl|qwen3.5] [--sample text-heavy|image-heavy|video]
         [--tokens 8192] [--layers 12] [--scale 16] [--gradient-checkpointing] [--sizes 1 2 4 8] [--step sft|grpo]
-        [--stock]
+        [--stock] [--heads 4]
     python -m benchmarks.memory --longest 400 [--sample ...] [--gradient-checkpointing]   # MiB per rank
 
 The model has the released model's vocabulary, heads and widths divided by `--scale` (1: the released widths;
@@ -85,7 +85,8 @@ def batch_device_bytes(batch: dict, cp_size: int) -> int:
 
 def _model(args: argparse.Namespace):
     if not args.dry_run:
-        return build_benchmark_model(args.model, layers=args.layers, scale=args.scale)
+        heads = {"heads": args.heads} if args.heads else {}
+        return build_benchmark_model(args.model, layers=args.layers, scale=args.scale, **heads)
     from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
 
     config = (tiny_qwen3_vl_config if args.model == "qwen3-vl" else tiny_qwen3_5_config)(num_attention_heads=8)
@@ -199,7 +200,8 @@ def peak_table(args) -> None:
     stock = _run(args, 1, args.tokens, stock=True)[0] if args.stock and args.step == "sft" else None
     results = {p: _run(args, p, args.tokens) for p in args.sizes}
     reference = results[min(results)][0]
-    print(f"{args.model} ({args.layers} layers, widths / {args.scale}), {args.sample}, "
+    heads = f", {args.heads} query heads" if args.heads else ""
+    print(f"{args.model} ({args.layers} layers, widths / {args.scale}{heads}), {args.sample}, "
           f"{'gradient checkpointing' if args.gradient_checkpointing else 'no checkpointing'}, step {args.step}: "
           f"{reference['tokens']} tokens, {reference['all_patches']} vision patches")
     print(f"{'P':>9} {'peak MiB':>9} {'R peak':>7} {'saved MiB':>10} {'R saved':>8} {'patches':>8} {'patch ratio':>11}"
@@ -269,6 +271,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12, help="decoder layers")
     parser.add_argument("--scale", type=int, default=16, choices=[1, 4, 16], help="widths divided by this")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant, layers and vision")
+    parser.add_argument("--heads", type=int, help="Qwen3-VL's query heads (half as many KV heads), e.g. 4: P=8 then "
+                        "runs as 4 x a ring of 2")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--step", default="sft", choices=["sft", "grpo"],
                         help="sft: the loss of every token; grpo: a GRPO scoring step (policy and reference "

@@ -16,7 +16,14 @@ from torch.distributed.tensor import DTensor
 from vlmcp_patch.fixtures.data import PaddingCollator, make_image, synthetic_dataset
 from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
 
-TINY = {"tiny-qwen3-vl": tiny_qwen3_vl_config, "tiny-qwen3.5": tiny_qwen3_5_config}
+TINY = {
+    "tiny-qwen3-vl": tiny_qwen3_vl_config,
+    "tiny-qwen3.5": tiny_qwen3_5_config,
+    # Two query heads (and two DeltaNet value heads): four or eight ranks go beyond the heads, a Ulysses x ring layout.
+    "tiny-qwen3-vl-2heads": lambda **kw: tiny_qwen3_vl_config(num_attention_heads=2, num_key_value_heads=1, **kw),
+    "tiny-qwen3.5-2heads": lambda **kw: tiny_qwen3_5_config(num_attention_heads=2, num_key_value_heads=1,
+                                                            linear_num_key_heads=1, linear_num_value_heads=2, **kw),
+}
 
 # Conversations for a released checkpoint: (question, answer, sizes (width, height) of the pictures shown)
 CONVERSATIONS = [

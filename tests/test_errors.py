@@ -11,8 +11,6 @@ from tests.helpers.harness import run_distributed
 
 SETUPS = {
     "cp_size_not_dividing_world": ("UnsupportedSetupError", "does not divide the world size 2"),
-    "heads_not_splittable": ("UnsupportedSetupError", "3 query heads cannot be split over CP size 2"),
-    "linear_heads_not_splittable": ("UnsupportedSetupError", "gated DeltaNet: 3 value heads cannot be split over CP"),
     "eager_attention": ("UnsupportedSetupError", "attn_implementation='eager'"),
     "flex_attention": ("UnsupportedSetupError", "attn_implementation='flex_attention'"),
     "unsupported_model": ("UnsupportedSetupError", "Qwen3VLForConditionalGeneration"),
@@ -62,7 +60,8 @@ RUNS = [
     "use_cache_true", "subclass_of_a_supported_model", "sequence_shorter_than_p", "labels_all_ignored", "left_padding",
     "left_padding_qwen3_5", "mask_with_holes", "packed_samples_with_padding", "packed_samples_on_two_rows",
     "four_row_positions_restarting", "vision_with_embeddings_only", "nan_in_pixel_values", "inf_in_inputs_embeds",
-    "official_padded_batch", "official_flattened_row", "return_dict_false",
+    "official_padded_batch", "official_flattened_row", "return_dict_false", "three_query_heads",
+    "three_deltanet_value_heads",
 ]
 SECONDS = 10  # a bad batch raises on every rank within this (the group's timeout would be minutes)
 

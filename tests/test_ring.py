@@ -14,7 +14,6 @@ from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL
 from tests.helpers.ring_cases import CASES, ring_attention_alone, run_ring_cases
 
-INTEGRATION = pytest.mark.integration
 LAYOUT = {3: (1, 3), 6: (2, 3), 4: (2, 2), 8: (2, 4)}  # P -> (U, R)
 
 
@@ -22,7 +21,7 @@ def ring_run(cp_size: int):
     return run_distributed(run_ring_cases, cp_size, timeout=900)
 
 
-@pytest.mark.parametrize("cp_size", [4, *(pytest.param(p, marks=INTEGRATION) for p in (3, 6, 8))])
+@pytest.mark.parametrize("cp_size", [3, 4, 6, 8])
 def test_every_family_beyond_its_heads_equals_stock(cp_size, once):
     per_rank = once(ring_run, cp_size)
     for case in per_rank[0]:

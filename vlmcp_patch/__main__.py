@@ -1,4 +1,5 @@
-"""`python -m vlmcp_patch [--no-self-test]`: versions, patches, the CP layout of this launch, kernels, self-test."""
+"""`python -m vlmcp_patch [--no-self-test] [--model NAME_OR_PATH]`: versions, patches, the CP layout of this launch
+(with a model: its U x R layout by CP size), kernels, self-test."""
 
 from __future__ import annotations
 
@@ -11,10 +12,25 @@ from .report import report
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlmcp_patch", description=__doc__)
     parser.add_argument("--no-self-test", action="store_true", help="skip the ten-second self-test")
+    parser.add_argument("--model", help="a checkpoint name or folder (its config only), or tiny-qwen3-vl / "
+                        "tiny-qwen3.5: print how its heads split (Ulysses x ring) at each CP size")
     args = parser.parse_args(argv)
-    text, ok = report(run_self_test=not args.no_self_test)
+    text, ok = report(run_self_test=not args.no_self_test, text_config=_text_config(args.model), name=args.model)
     print(text)
     return 0 if ok else 1
+
+
+def _text_config(name: str | None):
+    if name is None:
+        return None
+    from .fixtures.models import tiny_qwen3_5_config, tiny_qwen3_vl_config
+
+    tiny = {"tiny-qwen3-vl": tiny_qwen3_vl_config, "tiny-qwen3.5": tiny_qwen3_5_config}
+    if name in tiny:
+        return tiny[name]().get_text_config()
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name).get_text_config()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""`python -m vlmcp_patch`: what is installed, what is patched and why, the CP layout of this launch, the
-optional kernels found, and a self-test of about ten seconds on a tiny model (CPU)."""
+"""`python -m vlmcp_patch`: what is installed, what is patched and why, the CP layout of this launch (and, for a
+model, how its heads split over each CP size), the optional kernels found, and a self-test of about ten seconds on
+a tiny model (CPU)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,23 @@ def layout() -> list[str]:
     return lines
 
 
+def model_layout(text_config, sizes) -> list[str]:
+    """How a model's heads split at each CP size: U ranks exchange sequence for heads, R subgroups form a ring."""
+    from .forward.checks import has_deltanet, ulysses_of
+
+    heads = f"{text_config.num_attention_heads} query heads"
+    if has_deltanet(text_config):
+        heads += f", {text_config.linear_num_value_heads} DeltaNet value heads"
+    lines = [f"  {heads}"]
+    for size in sizes:
+        ulysses = ulysses_of(text_config, size)
+        ring = size // ulysses
+        how = "all-to-all only" if ring == 1 else f"a ring of {ring}" if ulysses == 1 else \
+            f"all-to-all among {ulysses}, a ring of {ring}"
+        lines.append(f"  P={size:<3d} U={ulysses} x R={ring}  ({how})")
+    return lines
+
+
 def self_test() -> list[tuple[str, bool, str]]:
     """(name, passed, detail): P=1 bit-identity with stock, and a packed row against its samples one by one."""
     from . import apply, revert
@@ -117,11 +135,16 @@ def self_test() -> list[tuple[str, bool, str]]:
     return results
 
 
-def report(run_self_test: bool = True) -> tuple[str, bool]:
+def report(run_self_test: bool = True, text_config=None, name: str = "") -> tuple[str, bool]:
+    """The report's text and whether the self-test passed; with `text_config` (of the model `name`), how its heads
+    split at the CP size in effect and at 2 to 16."""
     from . import status
 
-    lines = ["== versions", *versions(), "== optional kernels", *kernels(), "== CP layout of this launch", *layout(),
-             "== supported models", "  " + ", ".join(supported_class_names()), "== patches", *patches(status())]
+    lines = ["== versions", *versions(), "== optional kernels", *kernels(), "== CP layout of this launch", *layout()]
+    if text_config is not None:
+        sizes = sorted({cp_size(), *range(2, 17)} - {1})
+        lines += [f"== {name}: Ulysses x ring by CP size", *model_layout(text_config, sizes)]
+    lines += ["== supported models", "  " + ", ".join(supported_class_names()), "== patches", *patches(status())]
     ok = True
     if run_self_test:
         start = time.perf_counter()

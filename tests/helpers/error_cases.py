@@ -85,14 +85,6 @@ def cp_size_not_dividing_world(rank):
     return vl_model(), one_sample(), {"_cp_size": 4}
 
 
-@scenario
-def heads_not_splittable(rank):
-    return build_model(tiny_qwen3_vl_config(num_attention_heads=3, num_key_value_heads=1)), one_sample(), {}
-
-
-@scenario
-def linear_heads_not_splittable(rank):
-    return build_model(tiny_qwen3_5_config(linear_num_key_heads=1, linear_num_value_heads=3)), one_sample(), {}
 
 
 @scenario
@@ -210,6 +202,16 @@ def script_flash_attention_bound_before_import(rank):
         return out.transpose(0, 1)[None]
 
     return _script_attention(vl_model(), attend), one_sample(), {}
+
+
+@scenario
+def three_query_heads(rank):  # P=2 does not divide them: a ring of two (U = 1)
+    return build_model(tiny_qwen3_vl_config(num_attention_heads=3, num_key_value_heads=1)), one_sample(), {}
+
+
+@scenario
+def three_deltanet_value_heads(rank):
+    return build_model(tiny_qwen3_5_config(linear_num_key_heads=1, linear_num_value_heads=3)), one_sample(), {}
 
 
 # ---------------------------------------------------------------------------------------------------------

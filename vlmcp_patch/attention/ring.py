@@ -52,7 +52,7 @@ def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-TILE = 1024  # keys per tile of a block: the scores of (queries x TILE) are the block's working memory
+TILE = 512  # queries and keys per tile of a block: (TILE x TILE) scores per head is the block's working memory
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,14 @@ class Block:
     k_seg: torch.Tensor
 
     def tiles(self):
-        """(key slice, allowed (Tq, tile)) of each tile of keys any query may attend to."""
-        for start in range(0, self.k_pos.numel(), TILE):
-            keys = slice(start, min(start + TILE, self.k_pos.numel()))
-            allowed = block_mask(self.q_pos, self.q_seg, self.k_pos[keys], self.k_seg[keys])
-            if bool(allowed.any()):
-                yield keys, allowed
+        """(query slice, key slice, allowed (tile, tile)) of each pair of tiles where some query may attend."""
+        for q_start in range(0, self.q_pos.numel(), TILE):
+            queries = slice(q_start, min(q_start + TILE, self.q_pos.numel()))
+            for k_start in range(0, self.k_pos.numel(), TILE):
+                keys = slice(k_start, min(k_start + TILE, self.k_pos.numel()))
+                allowed = block_mask(self.q_pos[queries], self.q_seg[queries], self.k_pos[keys], self.k_seg[keys])
+                if bool(allowed.any()):
+                    yield queries, keys, allowed
 
 
 def _scores(q, k, allowed, scale):
@@ -78,15 +80,19 @@ def _scores(q, k, allowed, scale):
 
 
 def torch_block(q, k, v, block: Block, scale):
-    """Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) where `block` allows it, tile by tile of keys:
-    (out fp32, lse (B, H, Tq)); a query with no key allowed gets out 0 and lse -inf. None when nothing is allowed."""
+    """Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) where `block` allows it, tile by tile: (out fp32,
+    lse (B, H, Tq)); a query with no key allowed gets out 0 and lse -inf. (None, None) when nothing is allowed."""
     k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
     out = lse = None
-    for keys, allowed in block.tiles():
-        scores = _scores(q, k[:, :, keys], allowed.to(q.device), scale)
+    for queries, keys, allowed in block.tiles():
+        if out is None:
+            out = q.new_zeros(*q.shape, dtype=torch.float32)
+            lse = q.new_full(q.shape[:-1], NEG_INF, dtype=torch.float32)
+        scores = _scores(q[:, :, queries], k[:, :, keys], allowed.to(q.device), scale)
         tile_lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - tile_lse.masked_fill(tile_lse == NEG_INF, 0)[..., None])
-        out, lse = merge(out, lse, torch.matmul(probs, v[:, :, keys].float()), tile_lse)
+        out[:, :, queries], lse[:, :, queries] = merge(out[:, :, queries], lse[:, :, queries],
+                                                       torch.matmul(probs, v[:, :, keys].float()), tile_lse)
     return out, lse
 
 
@@ -100,13 +106,15 @@ def torch_block_backward(dout, q, k, v, out, lse, block: Block, scale):
     safe_lse = lse.masked_fill(lse == NEG_INF, 0)[..., None]
     dq = torch.zeros_like(q, dtype=torch.float32)
     dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
-    for keys, allowed in block.tiles():
+    for queries, keys, allowed in block.tiles():
         allowed = allowed.to(q.device)
-        probs = torch.exp(_scores(q, ke[:, :, keys], allowed, scale) - safe_lse).masked_fill(~allowed, 0)
-        dv[:, :, keys] = torch.matmul(probs.transpose(-1, -2), dout)
-        dscores = probs * (torch.matmul(dout, ve[:, :, keys].transpose(-1, -2)) - delta) * scale
-        dq += torch.matmul(dscores, ke[:, :, keys])
-        dk[:, :, keys] = torch.matmul(dscores.transpose(-1, -2), q.float())
+        q_tile, do_tile = q[:, :, queries].float(), dout[:, :, queries]
+        probs = torch.exp(_scores(q_tile, ke[:, :, keys], allowed, scale) - safe_lse[:, :, queries])
+        probs = probs.masked_fill(~allowed, 0)
+        dv[:, :, keys] += torch.matmul(probs.transpose(-1, -2), do_tile)
+        dscores = probs * (torch.matmul(do_tile, ve[:, :, keys].transpose(-1, -2)) - delta[:, :, queries]) * scale
+        dq[:, :, queries] += torch.matmul(dscores, ke[:, :, keys])
+        dk[:, :, keys] += torch.matmul(dscores.transpose(-1, -2), q_tile)
     if kv_heads != heads:  # the gradient of a replicated KV head is the sum over its query group
         dk = dk.unflatten(1, (kv_heads, -1)).sum(2)
         dv = dv.unflatten(1, (kv_heads, -1)).sum(2)
