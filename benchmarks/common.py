@@ -90,7 +90,8 @@ def qwen3_5_like(layers: int = 2, vision_depth: int = 3, scale: int = 1, heads: 
     kinds = ["linear_attention"] * (layers - 1) + ["full_attention"]
     head_dim = 256 // scale
     text = dict(vocab_size=248320 // scale, hidden_size=2048 // scale, intermediate_size=6144 // scale,
-                num_hidden_layers=layers, layer_types=kinds, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                num_hidden_layers=layers, layer_types=kinds, num_attention_heads=heads,
+                num_key_value_heads=max(1, heads // 4),
                 head_dim=head_dim, linear_num_key_heads=16, linear_num_value_heads=32,
                 linear_key_head_dim=128 // scale, linear_value_head_dim=128 // scale, linear_conv_kernel_dim=4,
                 max_position_embeddings=262144,

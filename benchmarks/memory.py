@@ -35,7 +35,6 @@ within 2%; every probe a real step) and prints the longest row that fits and its
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 

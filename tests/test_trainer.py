@@ -138,7 +138,8 @@ def test_four_ranks_beyond_two_heads_train_as_one_process(model, wrapper, once):
 # and image tokens do not match") and refuses for Qwen3.5.
 
 
-@pytest.mark.parametrize("model,route", [(VL, "fsdp_config"), pytest.param(Q35, "parallelism_config", marks=INTEGRATION),
+@pytest.mark.parametrize("model,route", [(VL, "fsdp_config"),
+                                         pytest.param(Q35, "parallelism_config", marks=INTEGRATION),
                                          pytest.param(VL, "accelerate_launch", marks=EXTENDED)])
 def test_fsdp2_cp2_equals_p1(model, route, once):
     extra, cp_size, launcher = {
