@@ -111,3 +111,44 @@ def test_rows_outside_the_packing_convention_run_stock_at_p1(variant):
     finally:
         vlmcp_patch.apply()
     assert torch.equal(ours.loss, stock.loss) and torch.equal(ours.logits, stock.logits)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_a_packed_row_stock_gets_wrong_equals_its_samples_at_p1(family, attn, reapply):
+    """Pictures with text positions, or DeltaNet layers: stock runs such a row across its samples; the package's P=1
+    path equals the samples run one by one — with eager attention too (a block-causal mask)."""
+    import vlmcp_patch
+    from tests.helpers.packing_cases import PACKED
+    from vlmcp_patch.fixtures.compare import rel_err
+    from vlmcp_patch.fixtures.data import make_packed_batch
+    from vlmcp_patch.fixtures.models import build_model
+
+    config = CONFIGS[family]()
+    config._attn_implementation = config.get_text_config()._attn_implementation = attn
+    model = build_model(config, seed=1)
+    row, alone = make_packed_batch(PACKED, seed=3)
+    without_labels = lambda batch: {k: v for k, v in batch.items() if k != "labels"}  # noqa: E731
+    with torch.no_grad():
+        ours = model(**without_labels(row)).logits
+        vlmcp_patch.revert()
+        separate = torch.cat([model(**without_labels(b), use_cache=False).logits for b in alone], dim=1)
+        stock = model(**without_labels(row)).logits
+    assert rel_err(ours, separate) <= TOL
+    assert rel_err(stock, separate) > 1e-2  # the control: stock itself does not
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_packed_row_stock_gets_right_runs_stock_at_p1(attn, reapply):
+    """Text samples packed in the flattening convention without a KV cache: stock attends within each sample, so
+    the row runs stock at P=1, bit for bit (transformers' own padding-free tests run such rows)."""
+    import vlmcp_patch
+    from tests.helpers.cases import packed_text_batch
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+
+    model = build_model(tiny_qwen3_vl_config(attn_implementation=attn), seed=1)
+    row = packed_text_batch([9, 14, 6], seed=2)
+    ours = model(**row)
+    vlmcp_patch.revert()
+    stock = model(**row)
+    assert torch.equal(ours.loss, stock.loss) and torch.equal(ours.logits, stock.logits)

@@ -80,6 +80,8 @@ QWEN3_VL_CASES = {
     "moe_text_only": ({"moe": True}, TEXT_ONLY),
     "packed_text": ({}, PACKED_TEXT),
     "grad_checkpointing": ({"gradient_checkpointing": True}, MULTI_IMAGE),
+    "grad_checkpointing_reentrant": ({"gradient_checkpointing": "reentrant"}, MULTI_IMAGE),
+    "moe_grad_checkpointing": ({"moe": True, "gradient_checkpointing": True}, VIDEO_AND_IMAGE),
     "lora_frozen_vision": ({"lora": True}, MULTI_IMAGE),
     "one_image": ({}, ONE_IMAGE),
     "big_and_small_images": ({}, BIG_AND_SMALL),
@@ -102,6 +104,8 @@ QWEN3_5_CASES = {
     "one_image": ({}, ONE_IMAGE),
     "video_and_image": ({}, VIDEO_AND_IMAGE),
     "vision_grad_checkpointing": ({"gradient_checkpointing": True}, BIG_AND_SMALL),
+    "grad_checkpointing_reentrant": ({"gradient_checkpointing": "reentrant"}, PADDED_PAIR),
+    "moe_grad_checkpointing_reentrant": ({"moe": True, "gradient_checkpointing": "reentrant"}, VIDEO_AND_IMAGE),
 }
 
 FAMILIES = {
@@ -115,8 +119,10 @@ FAMILIES = {
 # (2 x 12); gradient checkpointing replays the 16 forward ones. With LoRA on q/v and everything below layer 0
 # frozen, nothing needs the gradient of layer 0's keys (15).
 EXCHANGES = {
-    "qwen3_vl": {"default": 16, "grad_checkpointing": 24, "lora_frozen_vision": 15},
-    "qwen3_5": {"default": 32, "vision_grad_checkpointing": 48},
+    "qwen3_vl": {"default": 16, "grad_checkpointing": 24, "grad_checkpointing_reentrant": 24,
+                 "moe_grad_checkpointing": 24, "lora_frozen_vision": 15},
+    "qwen3_5": {"default": 32, "vision_grad_checkpointing": 48, "grad_checkpointing_reentrant": 48,
+                "moe_grad_checkpointing_reentrant": 48},
 }
 VISION_BLOCKS = 2  # the tiny vision towers' depth
 
@@ -183,7 +189,8 @@ def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list
         if lora:
             model = with_lora_and_frozen_vision(model)
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            reentrant = checkpointing == "reentrant"
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
             model.train()
         if attn == "flash_attention_2":
             flash_standin.use_flash(model)
