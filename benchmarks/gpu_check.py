@@ -4,7 +4,7 @@
     torchrun --nproc-per-node N -m benchmarks.gpu_check              # N GPUs: adds the CP parity at P=N
     python -m benchmarks.gpu_check --dry-run                         # CPU, fp32, torch paths, tiny sizes
 
-Sections (each prints its numbers; record them in the README with the date and the GPU):
+Sections (each prints its numbers; record them in docs/testing.md ("GPU check") with the date and the GPU):
 1. the environment: GPU, torch / CUDA, flash-attn, flash-linear-attention, causal-conv1d;
 2. packed-row boundaries with the real kernels (flash_attention_2; FLA chunked delta rule and causal-conv1d
    for Qwen3.5 when installed): a packed row of three samples against each sample run alone by stock

@@ -52,7 +52,8 @@ def main(argv=None) -> None:
     logs, micro_losses = [], []
     batches = iter(loader)
     while engine.global_steps < args.steps:
-        batch = {k: v.to(engine.device) for k, v in next(batches).items()}
+        # under CP the pixel values stay on the host: each rank copies its own share in the forward
+        batch = vlmcp_patch.batch_to_device(next(batches), engine.device)
         loss = engine(**batch).loss
         engine.backward(loss)
         micro_losses.append(float(loss.detach()))

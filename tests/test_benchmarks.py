@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers.harness import ROOT, launch
 
-pytestmark = pytest.mark.integration  # README: the integration tier
+pytestmark = pytest.mark.integration  # the second tier (docs/testing.md)
 
 
 def test_gpu_check_dry_run_on_cpu_with_two_ranks():

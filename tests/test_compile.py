@@ -10,7 +10,7 @@ import torch
 from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL
 
-pytestmark = pytest.mark.integration  # README: the integration tier
+pytestmark = pytest.mark.integration  # the second tier (docs/testing.md)
 
 
 def _compiled_cp_step(rank, world_size):

@@ -19,7 +19,7 @@ import torch
 from tests.helpers.harness import ROOT, launch
 from vlmcp_patch.fixtures.compare import state_dict_error
 
-pytestmark = pytest.mark.integration  # README: the integration tier
+pytestmark = pytest.mark.integration  # the second tier (docs/testing.md)
 
 pytest.importorskip("deepspeed")
 

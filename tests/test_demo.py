@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers.harness import ROOT, launch
 
-pytestmark = pytest.mark.integration  # README: the integration tier
+pytestmark = pytest.mark.integration  # the second tier (docs/testing.md)
 
 
 def test_demo_cp2_matches_p1():

@@ -1,6 +1,6 @@
 """Everything the package cannot do exactly, every malformed batch, and data that differs across the ranks of a
 group raise a clear error on every rank before compute, naming what to change, within seconds; inputs stock
-accepts run and give the P=1 loss. README: "When it refuses" and "The input space"."""
+accepts run and give the P=1 loss. docs/errors.md and docs/inputs.md."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_inputs_stock_accepts_run_with_the_p1_loss(case, results):
 
 def test_return_dict_false_gives_stocks_tuple(results):
     """The tuple has stock's fields at stock's positions (the logits included, gathered) — without a cache,
-    which a CP forward does not build (README: "The contract")."""
+    which a CP forward does not build (docs/inputs.md: "The contract")."""
     for res in results:
         assert res["return_dict_false"]["tuple_len"] == res["return_dict_false"]["p1"]["tuple_len"]
 

@@ -1,5 +1,5 @@
 """A rank that raises, dies or hangs ends the whole job within a bounded time, with the failing rank named,
-under torchrun and the deepspeed launcher. README: "When a rank fails"."""
+under torchrun and the deepspeed launcher. docs/errors.md: "When a rank fails"."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers.harness import ROOT, launch
 
-INTEGRATION = pytest.mark.integration  # README: the integration tier
+INTEGRATION = pytest.mark.integration  # the second tier (docs/testing.md)
 
 SCRIPT = ROOT / "tests" / "helpers" / "fault_script.py"
 BOUND = 90  # seconds from launch to the end of the job: imports, one CP step, the fault, the 10 s timeout

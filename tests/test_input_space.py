@@ -1,6 +1,6 @@
 """The accepted input space, combination by combination (tests/helpers/input_space.py): at P=1 the import changes
 nothing, bit for bit; under CP=2 every combination stock accepts runs and equals stock, and every one it
-refuses fails under CP too. README: "The input space"."""
+refuses fails under CP too. docs/inputs.md: "The input space"."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.helpers.harness import run_distributed
 from tests.helpers.input_space import CLASSES, combinations, refused_by_design, run_input_space
 from tests.helpers.parity import TOL
 
-pytestmark = pytest.mark.integration  # README: the integration tier
+pytestmark = pytest.mark.integration  # the second tier (docs/testing.md)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers.harness import ROOT, launch
 
-pytestmark = pytest.mark.integration  # README: the integration tier
+pytestmark = pytest.mark.integration  # the second tier (docs/testing.md)
 
 pytest.importorskip("deepspeed")
 

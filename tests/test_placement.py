@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.harness import ROOT, launch
 
-pytestmark = pytest.mark.integration  # README: the integration tier
+pytestmark = pytest.mark.integration  # the second tier (docs/testing.md)
 
 SCRIPT = ROOT / "tests" / "helpers" / "device_moves_script.py"
 STACKS = ["trainer", "trl_sft", "accelerate", "raw"]

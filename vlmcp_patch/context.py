@@ -2,11 +2,11 @@
 
 Under CP every batch runs as one packed row of its real tokens: the samples of a packed row, or the rows
 of an ordinary batch back to back with their padding dropped. A `CPContext` knows that row (its
-samples, and where its tokens sit in the caller's batch), the CP group, and how the row is padded to a
-multiple of the CP size and cut into per-rank slices. The top-level forward makes it current while
-the backbone runs (`ctx.running()`); the vision tower reads it there, the text decoder takes
-it once and hands it down the layers as the `vlmcp_ctx` keyword argument, so that gradient-checkpointing
-recomputation sees the same state as the forward did.
+samples, and where its tokens sit in the caller's batch), the CP group, and how the row is padded and spread
+over the ranks (`layout.Split`: contiguous slices, or two chunks per Ulysses subgroup across a ring). The
+top-level forward makes it current while the backbone runs (`ctx.running()`); the vision features are routed by
+it there, the text decoder takes it once and hands it down the layers as the `vlmcp_ctx` keyword argument, so that
+gradient-checkpointing recomputation sees the same state as the forward did.
 """
 
 from __future__ import annotations

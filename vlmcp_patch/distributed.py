@@ -254,7 +254,9 @@ def gather_sequence(tensor: torch.Tensor, dim: int = 1, length: int | None = Non
     Each rank holds a contiguous slice of the sequence padded to a multiple of the CP size; the result
     is the concatenation in rank order, cut to `length` when given. Backward keeps each rank's own slice
     of the gradient: call it on every rank and compute the same thing from the result, as with the loss.
-    With CP off it returns `tensor`.
+    With CP off it returns `tensor`. Across a ring (a CP size beyond the heads, `layout.Split`) a rank holds two
+    chunks of the row, not one slice: the rank order is then not the row's (the forward's own outputs — logits,
+    `token_log_probs` — are in row order).
     """
     cp = cp or get_cp_group()
     if cp is None:

@@ -7,7 +7,7 @@ The model runs through its wrappers (DDP, DeepSpeed, FSDP2, PEFT) as a forward d
 its slice of the packed row in chunks of tokens — never the (sequence x vocabulary) logits — and the per-token
 values are gathered over the group, so every rank holds the whole batch's values. They are differentiable:
 backward keeps each rank's own slice, so a loss computed from them identically on every rank of the group
-gives, summed over the group, the P=1 gradient (README: "Custom RL loops").
+gives, summed over the group, the P=1 gradient (docs/integrations.md: "Custom RL loops").
 """
 
 from __future__ import annotations

@@ -167,13 +167,10 @@ def _script_attention(model, attend):
     from transformers.models.qwen3_vl import modeling_qwen3_vl as modeling
 
     from vlmcp_patch.attention.foreign import text_attention_modules
+    from vlmcp_patch.fixtures.official import attention_inputs
 
     def forward(self, hidden_states, position_embeddings, attention_mask, **kwargs):
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = self.q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        q, k = modeling.apply_rotary_pos_emb(q, k, *position_embeddings)
+        q, k, v = attention_inputs(self, hidden_states, position_embeddings, modeling)
         groups = q.shape[1] // k.shape[1]
         out = attend(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), self)
         return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None

@@ -1,7 +1,7 @@
 """Ring attention across the Ulysses subgroups, for CP sizes beyond (or not dividing) the heads: P = U x R.
 
 After the all-to-all inside its Ulysses subgroup (`ulysses.py`) a rank holds, for its H/U heads, q, k and v of its
-subgroup's share of the row — two chunks of it in the zigzag layout (`layout.RingLayout`: subgroup g holds chunks
+subgroup's share of the row — two chunks of it in the zigzag layout (`layout.Split`: subgroup g holds chunks
 g and 2R-1-g of 2R, so that every subgroup has as much causal work as the others). The R ranks that hold the same
 heads in the R subgroups form a ring. Each passes its k and v to the next one R-1 times, so that its queries meet
 every share of the row, and computes attention against each share it holds:
@@ -16,8 +16,8 @@ Backward is the flash-attention backward of each block given the merged output a
 merged log-sum-exp each block's probabilities are the true ones), with k and v passed around the ring again and
 their gradients travelling with them, one hop more to reach their owner.
 
-The block kernel is exact fp32 math in torch (`torch_block`: the CPU path, O(block²) memory per head), or flash-attn's
-varlen kernel with its log-sum-exp where it is installed (`flash_block`).
+The block kernel is exact fp32 math in torch (`torch_block`), tile by tile (`TILE` queries x `TILE` keys of scores per
+head at a time), on CPU and GPU alike: flash-attn's kernel is not used across a ring.
 """
 
 from __future__ import annotations

@@ -23,12 +23,11 @@ def _three_rows(positions: torch.Tensor) -> torch.Tensor:
 def eager_block_mask(ctx: CPContext, dtype, device) -> torch.Tensor:
     """(1, 1, S, S) additive mask: each token attends causally within its own sample. Eager attention reads no
     sample boundaries from the context; it runs only for a packed row at P=1 (where S is the whole row)."""
-    segment = torch.repeat_interleave(torch.arange(len(ctx.attention_segments), device=device),
-                                      torch.tensor([b - a for a, b in ctx.attention_segments], device=device))
+    segment = ctx.segment_ids.to(device)
     order = torch.arange(segment.numel(), device=device)
     allowed = (segment[:, None] == segment[None, :]) & (order[:, None] >= order[None, :])
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None,
-                                                                                                               None]
+    blocked = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return blocked[None, None]
 
 
 def decoder_inputs_of_slice(instance, call: dict, ctx: CPContext) -> None:
@@ -39,9 +38,9 @@ def decoder_inputs_of_slice(instance, call: dict, ctx: CPContext) -> None:
     call["position_ids"] = _three_rows(call["position_ids"])
     call["attention_mask"] = None
     if instance.config._attn_implementation == "eager":
-        embeds = call["inputs_embeds"] if call.get("inputs_embeds") is not None else None
-        call["attention_mask"] = eager_block_mask(ctx, instance.dtype if embeds is None else embeds.dtype,
-                                                  call["position_ids"].device)
+        embeds = call.get("inputs_embeds")
+        dtype = instance.dtype if embeds is None else embeds.dtype
+        call["attention_mask"] = eager_block_mask(ctx, dtype, call["position_ids"].device)
     for name in CACHE_KEYWORDS:
         call.pop(name, None)
     call["use_cache"] = False

@@ -4,10 +4,12 @@ Under CP — and at P=1 for a batch in the packed-row convention — one forward
 
 1. checks the model and the batch against every rule and agrees with the other ranks of the group (one
    small collective); anything that cannot run exactly raises on every rank before compute;
-2. lays the batch out as one packed row of its real tokens (`rows.py`) and creates the `CPContext`;
-3. runs the stock backbone (`model.model`) with that context current: the vision tower (each rank its
-   share of the images), image placement and deepstack features on the whole row, then the text decoder
-   on this rank's slice (`decoder.py`), whose output comes back as the backbone's `last_hidden_state`;
+2. lays the batch out as one packed row of its real tokens (`rows.py`), creates the `CPContext` and cuts the row
+   to this rank's slice (`slicing.py`: ids, positions, token types; labels and vision inputs stay as given);
+3. runs the stock backbone (`model.model`) on that slice with the context current: each rank encodes its share of
+   the images and receives the features of its slice's placeholder tokens (`vision.py`), stock places them and the
+   deepstack rows on the slice, and the text decoder runs the slice (`decoder.py`); its output comes back as the
+   backbone's `last_hidden_state`;
 4. computes the loss from that slice in chunks, without full-vocabulary logits (`loss.py`), and the logits
    when they are wanted, gathered and in the caller's batch layout, in the output class stock returns.
 
