@@ -11,10 +11,14 @@ from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_q
 from vlmcp_patch.layout import kv_replication_factor, round_up
 
 S = Segment
-# One image-heavy row (two thirds vision tokens) of 22 pictures of three sizes, and a video beside text.
+# One image-heavy row (two thirds vision tokens) of 22 pictures of three sizes, and a video beside two pictures and
+# text. The video row's vision lengths exceed 64 (the delta rule of transformers before 5.18 builds every (i x i)
+# block up to its chunk of 64), no rank's slice holds all of a modality's tokens, and the merged token counts are
+# not multiples of P (a rank's share of the patches would equal them).
 IMAGES = [S(text=6)] + [piece for i in range(22) for piece in (S(image=[(32, 24), (40, 32), (24, 24)][i % 3]),
                                                                   S(text=5 + i % 4))]
-VIDEO = [S(text=40), S(video=(3, 24, 40)), S(text=30), S(image=(24, 40)), S(text=25)]
+VIDEO = [S(text=40), S(image=(56, 80)), S(text=20), S(video=(3, 56, 72)), S(text=30), S(image=(48, 64)),
+         S(text=25)]
 
 CONFIGS = {
     "qwen3_vl": lambda: tiny_qwen3_vl_config(),
