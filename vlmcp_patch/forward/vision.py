@@ -245,9 +245,9 @@ def _split_joined(out, joined: torch.Tensor, deepstack_per_item: bool):
 
 
 def cp_image_features(wrapped, instance, args, kwargs, deepstack_per_item: bool = False):
-    """A multimodal model's `get_image_features` (a wrapt wrapper). Inside a CP forward (P > 1, real pixels, not
-    a placeholder pass) it returns the features of this rank's placeholder tokens as one item (module docstring);
-    `deepstack_per_item`: the installed release's forward expects the deepstack levels split per item.
+    """A multimodal model's `get_image_features` (a wrapper in wrapt's convention). Inside a CP forward (P > 1, real
+    pixels, not a placeholder pass) it returns the features of this rank's placeholder tokens as one item (module
+    docstring); `deepstack_per_item`: the installed release's forward expects the deepstack levels split per item.
     Everywhere else, the stock method."""
     ctx = current_cp_forward()
     modality = "video" if ENCODING_VIDEO.get() else "image"
