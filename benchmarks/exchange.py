@@ -1,6 +1,6 @@
 """Bytes the CP exchanges move per layer and token, counted at the collectives, against the formula.
 
-    python -m benchmarks.exchange [--sizes 2 4 3 6] [--tokens 301]
+    python -m benchmarks.exchange [--sizes 2 4 3 6] [--tokens 301] [--models qwen3-vl qwen3.5] [--scale 1]
 
 One forward + backward of a text-only row (so no vision exchange) through models with the released models' heads.
 Per decoder layer and token of the row (padded), summed over the ranks' send buffers, forward and backward, for the
@@ -53,10 +53,10 @@ def formula_per_token(config, size: int) -> dict[str, float]:
     return out
 
 
-def measure(rank: int, world_size: int, model_name: str, tokens: int) -> dict:
+def measure(rank: int, world_size: int, model_name: str, tokens: int, scale: int = 1) -> dict:
     import vlmcp_patch
 
-    model = build_benchmark_model(model_name)
+    model = build_benchmark_model(model_name, scale=scale)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 120, (1, tokens), generator=g)
     vlmcp_patch.enable(cp_size=world_size)
@@ -74,15 +74,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 3, 6])
     parser.add_argument("--tokens", type=int, default=301)
+    parser.add_argument("--models", nargs="+", default=["qwen3-vl", "qwen3.5"])
+    parser.add_argument("--scale", type=int, default=1, choices=[1, 4, 16],
+                        help="widths and vocabulary divided by this (4: Qwen3.5 at P=6 within 24 GiB)")
     args = parser.parse_args()
     from benchmarks.common import MODELS
 
     print(f"{'model':10s} {'P':>2} {'U x R':>6} {'exchange':>11} {'elements/token measured':>24} {'formula':>9} "
           f"{'ratio':>6}")
-    for name, make_config in MODELS.items():
+    for name in args.models:
         for size in args.sizes:
-            per_rank = run_distributed(measure, size, name, args.tokens, timeout=3600)
-            config = make_config()
+            per_rank = run_distributed(measure, size, name, args.tokens, args.scale, timeout=3600)
+            config = MODELS[name](scale=args.scale)
             formula = formula_per_token(config, size)
             ulysses = ulysses_of(config.get_text_config(), size)
             for exchange in ("all_to_all", "ring"):
@@ -93,7 +96,7 @@ def main() -> None:
                           f"{measured:>24.1f} {formula[exchange]:>9d} {ratio:>6.2f}")
             if size // ulysses > 1:
                 print(f"{name:10s} {size:>2} {'':>6} {'ring fixed':>11} {per_rank[0]['fixed'] / 1024:>21.1f} KiB "
-                      "per rank (DeltaNet halos and state transfers, any length; the loss and agreement sums)")
+                      "per rank, whatever the length (DeltaNet halos and state transfers; the loss's sum)")
 
 
 if __name__ == "__main__":
