@@ -63,22 +63,39 @@ def _compared(model, layout: str, world_size: int) -> dict:
     return {**metrics, "ring_sends": probe.calls["batch_isend_irecv"]}
 
 
-def run_ring_cases(rank: int, world_size: int) -> dict:
+# The flash_attention_2 path across a ring (flash-attn's kernel per block, the CPU stand-in): P=4, U=2, R=2.
+FLASH_CASES = [("qwen3_vl-2", "packed_multimodal"), ("qwen3_5-2", "padded_pair")]
+
+
+def run_ring_cases(rank: int, world_size: int, attn: str = "sdpa") -> dict:
+    """Each case of `CASES[world_size]` (`FLASH_CASES` with attn='flash_attention_2') against stock; the stand-in's
+    kernel calls of each case are reported."""
+    from tests.helpers import flash_standin
     from vlmcp_patch.forward.checks import ulysses_of
 
+    if attn == "flash_attention_2":
+        flash_standin.install()
     results = {}
-    for config_name, layout in CASES[world_size]:
+    for config_name, layout in FLASH_CASES if attn == "flash_attention_2" else CASES[world_size]:
         config = CONFIGS[config_name]()
-        metrics = _compared(build_model(config, seed=1), layout, world_size)
+        model = build_model(config, seed=1)
+        if attn == "flash_attention_2":
+            flash_standin.use_flash(model)
+        flash_standin.CALLS.clear()
+        metrics = _compared(model, layout, world_size)
         metrics["ulysses"] = ulysses_of(config.get_text_config(), world_size)
+        metrics["flash_calls"] = list(flash_standin.CALLS)
         results[f"{config_name} {layout}"] = metrics
     return results
 
 
-def ring_attention_alone(rank: int, world_size: int, wrong_merge: bool = False, tile: int = 5) -> dict:
-    """The ring's attention of random q, k, v over a row of three segments, at R = world size and U = 1, with small
-    key tiles (several tiles and ring steps to merge), against softmax attention over the whole row per segment."""
-    from vlmcp_patch.attention import ring
+def ring_attention_alone(rank: int, world_size: int, kernel: str = "torch", wrong_merge: bool = False,
+                         tile: int = 5) -> dict:
+    """The ring's attention of random q, k, v over a row of three segments, at R = world size and U = 1, against
+    softmax attention over the whole row per segment: on the torch kernel with small key tiles (several tiles and ring
+    steps to merge), or on flash-attn's (the CPU stand-in), whose calls are reported."""
+    from tests.helpers import flash_standin
+    from vlmcp_patch.attention import ring, ring_flash
     from vlmcp_patch.context import CPContext
     from vlmcp_patch.distributed import get_cp_group
     from vlmcp_patch.fixtures.compare import rel_err
@@ -88,23 +105,27 @@ def ring_attention_alone(rank: int, world_size: int, wrong_merge: bool = False, 
     vlmcp_patch.enable(cp_size=world_size)
     ctx = CPContext(cp=get_cp_group(world_size), segments=[(0, 9), (9, 26), (26, 31)], ulysses=1)
     g = torch.Generator().manual_seed(3)
-    full = [torch.randn(1, 2, ctx.padded_len, 8, generator=g, requires_grad=True) for _ in range(3)]
+    full = [torch.randn(1, heads, ctx.padded_len, 8, generator=g, requires_grad=True) for heads in (2, 1, 1)]
     mine = ctx.split.subgroup_positions(ctx.groups.ring.index)
     local = [t.detach()[:, :, mine].clone().requires_grad_(True) for t in full]
 
     def averaged(out, lse, block_out, block_lse):  # the control: blocks averaged, not weighted by their lse
         return (block_out.float(), block_lse) if out is None else ((out + block_out.float()) / 2, lse)
 
+    if kernel == "flash":
+        flash_standin.install()
     previous, ring.TILE = ring.TILE, tile
     try:
         out = ring.ring_attention(*local, ring.ring_shares(ctx), ctx.groups.ring, 8 ** -0.5,
-                                  merge_fn=averaged if wrong_merge else ring.merge)
+                                  merge_fn=averaged if wrong_merge else ring.merge,
+                                  kernel=ring_flash.FLASH_KERNEL if kernel == "flash" else ring.TORCH_KERNEL)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
+        (out * weights).sum().backward()
     finally:
         ring.TILE = previous
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
-    (out * weights).sum().backward()
+    q_full, k_full, v_full = full[0], *(t.repeat_interleave(2, dim=1) for t in full[1:])  # 2 query heads per KV head
     reference = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        *(t[:, :, a:b] for t in full), is_causal=True) for a, b in ctx.attention_segments], dim=2)
+        *(t[:, :, a:b] for t in (q_full, k_full, v_full)), is_causal=True) for a, b in ctx.attention_segments], dim=2)
     all_weights = torch.zeros_like(reference)
     for r in range(world_size):
         positions = ctx.split.subgroup_positions(r)
@@ -115,4 +136,52 @@ def ring_attention_alone(rank: int, world_size: int, wrong_merge: bool = False, 
         "out_err": rel_err(out, reference[:, :, mine]),
         "dq_err": rel_err(local[0].grad, full[0].grad[:, :, mine]),
         "dkv_err": max(rel_err(local[i + 1].grad, full[i + 1].grad[:, :, mine]) for i in range(2)),
+        "flash_calls": list(flash_standin.CALLS),
+    }
+
+
+def script_flash_call_alone(rank: int, world_size: int) -> dict:
+    """A script's own `flash_attn_varlen_func` call inside a CP forward (as the official script's packed attention
+    makes it), at P=4 with U=2 and R=2: local q, k, v (tokens, 4 heads / 2 KV heads, dim) and the row's cumulative
+    lengths, against flash-attn's kernel (the CPU stand-in) over the whole row; the stand-in's calls are reported."""
+    from tests.helpers import flash_standin
+
+    flash_standin.install()
+    import flash_attn
+
+    import vlmcp_patch
+    from vlmcp_patch.attention import foreign
+    from vlmcp_patch.context import CPContext
+    from vlmcp_patch.distributed import get_cp_group
+    from vlmcp_patch.fixtures.compare import rel_err
+
+    vlmcp_patch.revert()
+    vlmcp_patch.apply()  # as at an import that finds flash-attn: its entry points wrapped
+    vlmcp_patch.enable(cp_size=world_size)
+    ctx = CPContext(cp=get_cp_group(world_size), segments=[(0, 9), (9, 26), (26, 31)], ulysses=2)
+    cu = torch.tensor([0, 9, 26, 31], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(31, heads, 8, generator=g, requires_grad=True) for heads in (4, 2, 2)]
+    weights = torch.randn(31, 4, 8, generator=g)
+    local = [ctx.shard(t.detach(), 0).requires_grad_(True) for t in full]
+    flash_standin.CALLS.clear()
+    token = foreign._RUNNING.set(foreign._Call(ctx))  # what the hook around a foreign attention forward sets
+    try:
+        out = flash_attn.flash_attn_varlen_func(*local, cu, cu, 17, 17, causal=True)
+        exchanged = foreign._RUNNING.get().exchanged
+    finally:
+        foreign._RUNNING.reset(token)
+    (out * ctx.shard(weights, 0)).sum().backward()
+    reference = flash_standin.flash_attn_varlen_func(*full, cu, cu, 17, 17, causal=True)
+    (reference * weights).sum().backward()
+    vlmcp_patch.enable(cp_size=1)
+    mine, real = ctx.local_positions, ctx.local_real_len
+    mine = mine[:real]
+    return {
+        "ring_size": ctx.ring_size,
+        "exchanged": exchanged,
+        "out_err": rel_err(out[:real], reference[mine]),
+        "dq_err": rel_err(local[0].grad[:real], full[0].grad[mine]),
+        "dkv_err": max(rel_err(local[i].grad[:real], full[i].grad[mine]) for i in (1, 2)),
+        "flash_calls": list(flash_standin.CALLS),
     }

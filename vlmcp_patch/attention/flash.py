@@ -35,6 +35,7 @@ from ..patching import Patch, resolve
 from .foreign import attention_context, kernel_on_whole_sequence, record_exchange
 from .heads import kv_replication
 from .ring import ring_attention, ring_shares
+from .ring_flash import FLASH_KERNEL
 
 ENTRY_MODULES = ("flash_attn", "flash_attn.flash_attn_interface")
 
@@ -82,12 +83,13 @@ def _around_the_ring(q, k, v, ctx: CPContext, options: dict) -> torch.Tensor:
                                     f"without {', '.join(unsupported) or 'causal=False'}")
     scale = options.get("softmax_scale") or q.shape[-1] ** -0.5
     heads_first = [t.transpose(0, 1)[None] for t in (q, k, v)]
-    return ring_attention(*heads_first, ring_shares(ctx), ctx.groups.ring, scale)[0].transpose(0, 1)
+    return ring_attention(*heads_first, ring_shares(ctx), ctx.groups.ring, scale,
+                          kernel=FLASH_KERNEL)[0].transpose(0, 1)
 
 
 def _varlen_over_row(varlen, q, k, v, ctx: CPContext, options: dict) -> torch.Tensor:
     """The real varlen kernel on this rank's slice (local tokens, heads, dim) of the row: output in the same layout.
-    Across a ring (P beyond the heads) the ring's kernel runs instead."""
+    Across a ring (P beyond the heads) the ring runs instead, flash-attn's kernel on each block."""
     if options.get("block_table") is not None or options.get("return_attn_probs"):
         raise UnsupportedSetupError("flash-attn under CP: a KV-cache block table or return_attn_probs=True cannot be "
                                     "split over the sequence; call it inside `with vlmcp_patch.disabled():`")

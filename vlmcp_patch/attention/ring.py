@@ -16,12 +16,14 @@ Backward is the flash-attention backward of each block given the merged output a
 merged log-sum-exp each block's probabilities are the true ones), with k and v passed around the ring again and
 their gradients travelling with them, one hop more to reach their owner.
 
-The block kernel is exact fp32 math in torch (`torch_block`), tile by tile (`TILE` queries x `TILE` keys of scores per
-head at a time), on CPU and GPU alike: flash-attn's kernel is not used across a ring.
+A block's kernel is a `BlockKernel`: `TORCH_KERNEL` (exact fp32 math in torch, tile by tile: `TILE` queries x
+`TILE` keys of scores per head at a time; the sdpa and eager paths, any device) or flash-attn's varlen kernel with
+its log-sum-exp (`ring_flash.FLASH_KERNEL`; the flash_attention_2 path and scripts' own flash-attn calls).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +135,20 @@ def merge(out, lse, block_out, block_lse):
 
 
 @dataclass(frozen=True)
+class BlockKernel:
+    """How one block is computed. `forward(q, k, v, block, scale)` -> (out fp32 (B, H, Tq, D), lse (B, H, Tq)), a
+    query with no key allowed at out 0 and lse -inf, or (None, None) when the block allows nothing;
+    `backward(dout, q, k, v, out, lse, block, scale)` -> (dq, dk, dv) fp32 given the merged out and lse, dk and dv
+    with k's heads."""
+
+    forward: Callable
+    backward: Callable
+
+
+TORCH_KERNEL = BlockKernel(forward=torch_block, backward=torch_block_backward)
+
+
+@dataclass(frozen=True)
 class Shares:
     """Row positions and segment ids of every ring member's tokens (`positions[i]`, `segments[i]`, each (T,))."""
 
@@ -154,20 +170,20 @@ class _RingAttention(torch.autograd.Function):
     v (B, Hkv, T, D), every member's T the same."""
 
     @staticmethod
-    def forward(ctx, q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn):
+    def forward(ctx, q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn, kernel: BlockKernel):
         out = lse = None
         held_k, held_v = k, v
         for step in range(peers.size):
             owner = (peers.index - step) % peers.size
             if step < peers.size - 1:
                 incoming = _pass_on([held_k, held_v], peers)
-            block_out, block_lse = torch_block(q, held_k, held_v, shares.block(peers.index, owner), scale)
+            block_out, block_lse = kernel.forward(q, held_k, held_v, shares.block(peers.index, owner), scale)
             if block_out is not None:
                 out, lse = merge_fn(out, lse, block_out, block_lse)
             if step < peers.size - 1:
                 held_k, held_v = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.shares, ctx.peers, ctx.scale = shares, peers, scale
+        ctx.shares, ctx.peers, ctx.scale, ctx.kernel = shares, peers, scale, kernel
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
@@ -180,8 +196,8 @@ class _RingAttention(torch.autograd.Function):
         held_dk, held_dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
         for step in range(peers.size):
             owner = (peers.index - step) % peers.size
-            dq_b, dk_b, dv_b = torch_block_backward(dout, q, held_k, held_v, out, lse,
-                                                     shares.block(peers.index, owner), scale)
+            dq_b, dk_b, dv_b = ctx.kernel.backward(dout, q, held_k, held_v, out, lse,
+                                                   shares.block(peers.index, owner), scale)
             dq += dq_b
             held_dk, held_dv = held_dk + dk_b, held_dv + dv_b
             if peers.size == 1:
@@ -193,11 +209,12 @@ class _RingAttention(torch.autograd.Function):
                 held_k, held_v, held_dk, held_dv = moved
             else:
                 held_dk, held_dv = moved
-        return dq.to(q.dtype), held_dk.to(k.dtype), held_dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), held_dk.to(k.dtype), held_dv.to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn=merge) -> torch.Tensor:
+def ring_attention(q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn=merge,
+                   kernel: BlockKernel = TORCH_KERNEL) -> torch.Tensor:
     """Attention of this ring member's queries (B, H, T, D) over every member's keys and values (B, Hkv, T, D):
-    output (B, H, T, D). `merge_fn` merges two partial attentions (the tests replace it to show that a wrong merge is
-    caught)."""
-    return _RingAttention.apply(q, k, v, shares, peers, scale, merge_fn)[0]
+    output (B, H, T, D), each block computed by `kernel`. `merge_fn` merges two partial attentions (the tests
+    replace it to show that a wrong merge is caught)."""
+    return _RingAttention.apply(q, k, v, shares, peers, scale, merge_fn, kernel)[0]

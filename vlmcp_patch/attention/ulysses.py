@@ -24,7 +24,8 @@ from ..settings import cp_size
 from ..supported import unsupported_model_message
 from .foreign import kernel_on_whole_sequence, record_exchange
 from .heads import BHSD, BSHD, kv_replication
-from .ring import ring_attention, ring_shares
+from .ring import TORCH_KERNEL, ring_attention, ring_shares
+from .ring_flash import FLASH_KERNEL
 
 # Keyword arguments that describe the *local* sequence; under CP the global ones replace them.
 _LOCAL_SEQUENCE_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -59,16 +60,18 @@ def _flash_global(original, module, q, k, v, ctx: CPContext, kwargs):
 
 
 _GLOBAL_CALL = {"sdpa": _sdpa_global, "flash": _flash_global}
+_RING_KERNEL = {"sdpa": TORCH_KERNEL, "flash": FLASH_KERNEL}
 
 
-def _ring_call(module, q, k, v, ctx: CPContext, kwargs) -> torch.Tensor:
-    """Attention of this subgroup's share of the row over the whole row, around the ring (`ring.py`): q, k, v
-    (B, H/U, T, D) -> (B, T, H/U, D)."""
+def _ring_call(module, q, k, v, ctx: CPContext, flavor: str, kwargs) -> torch.Tensor:
+    """Attention of this subgroup's share of the row over the whole row, around the ring (`ring.py`), each block on
+    the flavor's kernel: q, k, v (B, H/U, T, D) -> (B, T, H/U, D)."""
     if kwargs.get("dropout"):
         raise UnsupportedSetupError("attention dropout cannot run across a CP ring (P beyond the heads); set the "
                                     "model's attention_dropout to 0 or choose a CP size that divides the heads")
     scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
-    return ring_attention(q, k, v, ring_shares(ctx), ctx.groups.ring, scale).transpose(1, 2)
+    return ring_attention(q, k, v, ring_shares(ctx), ctx.groups.ring, scale,
+                          kernel=_RING_KERNEL[flavor]).transpose(1, 2)
 
 
 def attention_over_cp(original, flavor: str, module, query, key, value, ctx: CPContext, kwargs) -> torch.Tensor:
@@ -90,7 +93,7 @@ def attention_over_cp(original, flavor: str, module, query, key, value, ctx: CPC
         if ctx.contiguous:
             out = _GLOBAL_CALL[flavor](original, local, q, k, v, ctx, kwargs)  # (B, S, H/P, D)
         else:
-            out = _ring_call(local, q, k, v, ctx, kwargs)  # (B, S/R, H/U, D)
+            out = _ring_call(local, q, k, v, ctx, flavor, kwargs)  # (B, S/R, H/U, D)
     record_exchange(ctx)
     return all_to_all(out, BSHD.seq, BSHD.heads, group, size)  # (B, S/P, H, D)
 
