@@ -51,6 +51,23 @@ def test_revert_restores_the_exact_originals(reapply):
     assert not any(s["applied"] for s in vlmcp_patch.status())
 
 
+def test_patched_functions_read_like_the_originals(reapply):
+    """Name, docs, signature and annotations are the originals' (transformers' own tests read a forward's return
+    annotation), and there is no `__wrapped__` for Accelerate's `unwrap_model` to strip the patch through."""
+    import inspect
+
+    vlmcp_patch.revert()
+    originals = _targets()[:2]
+    vlmcp_patch.apply()
+    for original, patched in zip(originals, _targets()[:2]):
+        assert patched is not original and patched.vlmcp_original is original
+        for attribute in ("__name__", "__qualname__", "__module__", "__doc__", "__annotations__"):
+            assert getattr(patched, attribute) == getattr(original, attribute), attribute
+        assert inspect.signature(patched) == inspect.signature(original)
+        assert not hasattr(patched, "__wrapped__")
+    assert mq.Qwen3VLForConditionalGeneration.forward.__annotations__["return"] is not None
+
+
 def test_every_patch_matches_the_installed_versions():
     """Each declared patch resolves, has the parameters it relies on and, where it re-implements or rescales
     upstream code, the pinned source digest; such a patch also declares the versions it was checked on."""

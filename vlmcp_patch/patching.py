@@ -15,6 +15,7 @@ integration that needs it raises before the first step under CP (`require_integr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -157,8 +158,9 @@ def patched_function(original: Callable, wrapper: Callable, is_method: bool) -> 
                 return original(*args, **kwargs)
             return wrapper(original, None, args, kwargs)
 
-    for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
-        setattr(replacement, attribute, getattr(original, attribute, None))
+    for attribute in functools.WRAPPER_ASSIGNMENTS:  # what functools.wraps copies, without its `__wrapped__`
+        if hasattr(original, attribute):  # the return annotation is read by transformers' output checks
+            setattr(replacement, attribute, getattr(original, attribute))
     replacement.__signature__ = inspect.signature(original)
     replacement.vlmcp_original = original
     return replacement
