@@ -151,8 +151,7 @@ class Split:
     def positions(self, rank: int) -> torch.Tensor:
         """Row positions (padded row) of the tokens `rank` holds, ascending."""
         subgroup, member = divmod(rank, self.ulysses)
-        part = self.subgroup_positions(subgroup).tensor_split(self.ulysses)[member]
-        return part
+        return self.subgroup_positions(subgroup).tensor_split(self.ulysses)[member]
 
     def owners(self) -> torch.Tensor:
         """(padded_len,) the rank holding each position."""

@@ -40,7 +40,7 @@ from ..collectives import exchange_rows
 from ..context import CTX_KWARG, CPContext, current_cp_forward
 from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
-from ..layout import assign_to_ranks, round_up, segments_from_lengths, split_into_units
+from ..layout import assign_to_ranks, round_up, segments_from_lengths, shard_slice, split_into_units
 from ..settings import SETTINGS
 from ..stats import STATS
 from .arguments import call_arguments
@@ -182,7 +182,7 @@ def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, cp: CPG
     lengths = frames + ([padded - sum(frames)] if padded > sum(frames) else [])
     vision_ctx = CPContext(cp=cp, segments=segments_from_lengths(lengths))  # attention within each segment
     local_len = vision_ctx.local_len
-    rows = slice(cp.rank * local_len, (cp.rank + 1) * local_len)
+    rows = shard_slice(vision_ctx.seq_len, cp.size, cp.rank)
     placement = _tower_placement(tower)
     # A copy, on CPU too: a view would keep the caller's whole pixel batch alive until backward.
     real = pixels[rows.start : min(rows.stop, pixels.shape[0])].to(**placement, copy=True)

@@ -149,9 +149,7 @@ def _gates(layer, b: torch.Tensor, a: torch.Tensor, share: _HeadShare, ctx: CPCo
 
 
 def _segment_ids(ctx: CPContext, device) -> torch.Tensor:
-    segments = ctx.attention_segments
-    lengths = torch.tensor([b - a for a, b in segments], device=device)
-    return torch.repeat_interleave(torch.arange(len(segments), device=device, dtype=torch.int32), lengths)[None]
+    return ctx.segment_ids.to(device=device, dtype=torch.int32)[None]
 
 
 def _conv_inputs(layer, q, k, v, share: _HeadShare):
