@@ -18,7 +18,8 @@ BOUND = 90  # seconds from launch to the end of the job: imports, one CP step, t
 def _run(mode: str, launcher: str):
     start = time.monotonic()
     # The launch may outlive the bound (then the assertion below fails with the job's output) before it is killed.
-    out = launch(SCRIPT, [mode], procs=2, launcher=launcher, timeout=BOUND + 60)
+    # VLMCP_TIMEOUT unset: the CP groups must inherit the script's process-group timeout
+    out = launch(SCRIPT, [mode], procs=2, launcher=launcher, timeout=BOUND + 60, env={"VLMCP_TIMEOUT": ""})
     return out, time.monotonic() - start, out.stdout + out.stderr
 
 

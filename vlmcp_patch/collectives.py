@@ -1,15 +1,285 @@
-"""Differentiable collectives over the CP group.
+"""Differentiable collectives over the CP group, and the rule that keeps every rank's collectives in one order.
 
-Each autograd function states the gradient contract it implements. The package-wide rule is: every
-rank calls `backward()` on its own copy of the same scalar loss, and a parameter's gradient *summed
-over the CP group* is the full gradient. Collectives are chosen so that no contribution is counted
-twice and none is dropped.
+**Gradients.** Each autograd function states the gradient contract it implements. The package-wide rule is: every
+rank calls `backward()` on its own copy of the same scalar loss, and a parameter's gradient *summed over the CP
+group* is the full gradient. Collectives are chosen so that no contribution is counted twice and none is dropped.
+
+**One order on every rank** (nothing hangs). A collective completes only when every member of its group issues it,
+so every rank of a CP group must issue the same collectives in the same order, in forward and in backward,
+whatever its slice holds. Forward code is sequential: it does so when no collective is skipped for want of data (an
+empty share still sends and receives zero rows). Backward is scheduled by the autograd engine, which runs a node
+only if the loss depends on its outputs, and orders independent branches by how the graph was built — which
+differs between ranks whose slices hold different things (a rank whose DeltaNet chunk starts a new sample does not
+use the state passed to it; a rank without image tokens does not use the features routed to it). So:
+
+1. every differentiable collective of a CP forward takes the forward's *order token* (a zero scalar) as an input
+   and returns a new one (`ordered`); the text decoder adds the last token (+0.0, exact) to its output
+   (`CollectiveOrder.tie`). Each collective's backward is then reachable from the loss on every rank — its result
+   always enters the graph, with a zero gradient where nothing else used it — and
+2. it cannot run before the collective issued after it has run its backward (it waits for the token's gradient):
+   the backward collectives run in exactly the reverse of the forward order, on every rank, one chain through the
+   whole forward (the vision exchange, every layer's all-to-alls, ring passes and state gathers).
+
+A layer recomputed by gradient checkpointing (outside the forward) orders its collectives the same way within the
+layer (`run_ordered`). Collectives that do not communicate in backward (the loss's sum, the logits' gather) need no
+token.
+
+**Failures become errors.** Every communication goes through `_communicate`: a backend error or a collective that
+does not complete within the CP groups' timeout (`VLMCP_TIMEOUT`, else the user's) raises `CollectiveError`
+naming the collective, the layer (`site`) and the phase, on every rank that can raise.
+
+**A check that sees order.** With `VLMCP_DEBUG_COLLECTIVES=1` each rank records every collective (phase, operation,
+group, element count, site); after each CP forward and each backward the ranks compare what they recorded since
+the last comparison (one small all-gather) and, on a difference, every rank raises naming the first one
+(`CollectiveLog`). Off, nothing is recorded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
+import zlib
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
+
+from .errors import CollectiveError
+from .settings import SETTINGS
+
+# ---------------------------------------------------------------------------------------------------------
+# Where a collective runs, what it is, and the debug record of the sequence
+
+_SITE: contextvars.ContextVar[str] = contextvars.ContextVar("vlmcp_collective_site", default="")
+
+
+def site(name: str):
+    """Name the part of the model whose collectives run in the block (e.g. "layer 3 (Qwen3_5GatedDeltaNet)"):
+    errors and debug records carry it, and so does the backward of each differentiable collective issued there."""
+    token = _SITE.set(name)
+    return _reset_on_exit(_SITE, token)
+
+
+def current_site() -> str:
+    return _SITE.get()
+
+
+def module_site(module) -> str:
+    """The site name of a module's collectives: its class, and its layer where it has one."""
+    layer = getattr(module, "layer_idx", None)
+    return type(module).__name__ + ("" if layer is None else f" of layer {layer}")
+
+
+@contextlib.contextmanager
+def _reset_on_exit(var: contextvars.ContextVar, token):
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def _group_name(group) -> str:
+    """The group's role (`distributed` creates them with a description: cp, ulysses, ring) and its size."""
+    role = getattr(group, "group_desc", None) or "group"
+    return f"{role}[{dist.get_world_size(group)}]"
+
+
+def _phase() -> str:
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+@dataclass(frozen=True)
+class Record:
+    """One collective as a rank issued it. `count`: the elements every member of the group moves alike (uneven
+    exchanges: the width of a row)."""
+
+    phase: str
+    op: str
+    group: str
+    count: int
+    where: str
+
+    def __str__(self) -> str:
+        return f"{self.phase} {self.op} over {self.group}, {self.count} elements, at {self.where or 'the CP forward'}"
+
+
+@dataclass
+class CollectiveLog:
+    """This rank's collectives since the ranks last compared them (`VLMCP_DEBUG_COLLECTIVES=1`)."""
+
+    records: list[Record] = field(default_factory=list)
+    compared: int = 0  # how many records the ranks have agreed on so far
+
+    def add(self, record: Record) -> None:
+        self.records.append(record)
+
+    def compare(self, group, size: int, when: str) -> None:
+        """Compare the records since the last comparison with the other members of `group` (every member calls
+        this at the same point); on a difference raise on every member, naming the first one."""
+        pending = [str(r) for r in self.records[self.compared :]]
+        self.compared = len(self.records)
+        if size == 1:
+            return
+        digest = zlib.crc32("\n".join(pending).encode())
+        mine = torch.tensor([len(pending), digest], dtype=torch.int64)
+        everyone = torch.empty(size * 2, dtype=torch.int64)
+        _all_gather_raw(everyone, mine, group)
+        if len(set(map(tuple, everyone.view(size, 2).tolist()))) == 1:
+            return
+        sequences = [None] * size
+        dist.all_gather_object(sequences, pending, group=group)
+        raise CollectiveError(_first_difference(sequences, when))
+
+
+def _first_difference(sequences: list[list[str]], when: str) -> str:
+    longest = max(len(s) for s in sequences)
+    for i in range(longest):
+        seen = [s[i] if i < len(s) else "nothing" for s in sequences]
+        if len(set(seen)) > 1:
+            issued = "; ".join(f"rank {r}: {what}" for r, what in enumerate(seen))
+            return (f"vlmcp-patch: the ranks of a CP group issued different collectives {when} (collective {i + 1} "
+                    f"of the step differs — {issued}). Ranks that issue different collectives hang; please report "
+                    "this with the batch's layout.")
+    raise AssertionError("unreachable: the sequences differ")
+
+
+_LOG = CollectiveLog()
+
+
+def collective_log() -> CollectiveLog:
+    """This rank's record of its collectives (filled only with `VLMCP_DEBUG_COLLECTIVES=1`)."""
+    return _LOG
+
+
+def check_collectives(group, size: int, when: str = "since the last check") -> None:
+    """With `VLMCP_DEBUG_COLLECTIVES=1`, compare this rank's collectives since the last comparison with the other
+    members of the CP group `group` (collective: every member calls it); raises `CollectiveError` on every member
+    at the first difference. Off, nothing."""
+    if SETTINGS.debug_collectives:
+        _LOG.compare(group, size, when)
+
+
+def _communicate(op: str, group, count: int, run):
+    """Run one communication `run()` of the CP group `group`: recorded in debug mode; a failure or a timeout raises
+    `CollectiveError` naming it (module docstring)."""
+    if SETTINGS.debug_collectives:
+        _LOG.add(Record(_phase(), op, _group_name(group), count, _SITE.get()))
+    try:
+        return run()
+    except RuntimeError as error:  # gloo's and NCCL's errors (DistBackendError is one), timeouts included
+        raise CollectiveError(
+            f"vlmcp-patch: the {op} over the {_group_name(group)} group at {_SITE.get() or 'the CP forward'} "
+            f"({_phase()}) did not complete on global rank {dist.get_rank()}: {error}. Another rank of the group "
+            "failed, exited or did not reach the same collective within the CP groups' timeout (VLMCP_TIMEOUT, or "
+            "the timeout given to init_process_group). VLMCP_DEBUG_COLLECTIVES=1 compares every rank's collectives "
+            "after each forward and backward."
+        ) from error
+
+
+def _all_gather_raw(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single; looked up at each call, as
+    # torch.distributed's functions are (the collective probes wrap them there)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The order of one CP forward's collectives
+
+_ORDER: contextvars.ContextVar[CollectiveOrder | None] = contextvars.ContextVar("vlmcp_collective_order",
+                                                                                 default=None)
+
+
+class CollectiveOrder:
+    """The chain of order tokens of one CP forward (module docstring, rule 1). `CPContext.running()` makes it current
+    while the backbone runs; the text decoder ties its last token into its output."""
+
+    def __init__(self, group=None, size: int = 1):
+        self.token: torch.Tensor | None = None
+        self.group, self.size = group, size  # the CP group, for the debug comparisons
+
+    def running(self):
+        return _reset_on_exit(_ORDER, _ORDER.set(self))
+
+    def tie(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (+0.0) depending on the last token: every collective before it runs its backward, in order, once the
+        gradient of `x` arrives. Without a token (no differentiable collective, or no grad) `x` itself."""
+        if self.token is None or not torch.is_grad_enabled():
+            return x
+        token, self.token = self.token, None
+        return _Tie.apply(x, token, self)
+
+    def check(self, when: str) -> None:
+        check_collectives(self.group, self.size, when)
+
+
+class _Tie(torch.autograd.Function):
+    """x + 0 that depends on the order's last token: backward passes the gradient of x through and a zero gradient
+    to the token, and (debug mode) compares the ranks' backward collectives once the whole backward is done."""
+
+    @staticmethod
+    def forward(ctx, x, token, order: CollectiveOrder):
+        ctx.order = order
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if SETTINGS.debug_collectives:
+            order = ctx.order
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: order.check("in backward"))
+        return grad, torch.zeros((), dtype=torch.float32, device=grad.device), None
+
+
+def ordered(function: type[torch.autograd.Function], *args):
+    """`function.apply(*args, token)` as the next collective of the running order (rule 2 of the module docstring):
+    `function` takes the order token (or None) as its last input and returns its outputs and a new token last; its
+    backward returns the token's gradient (None where it got None). Returns the outputs without the token."""
+    order = _ORDER.get()
+    token = order.token if order is not None and torch.is_grad_enabled() else None
+    *outs, new_token = function.apply(*args, token)
+    if order is not None and new_token.requires_grad:
+        order.token = new_token
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def new_token(like: torch.Tensor) -> torch.Tensor:
+    """A function's outgoing order token."""
+    return like.new_zeros((), dtype=torch.float32)
+
+
+def remember_order(ctx, token) -> None:
+    """What an ordered function's backward needs of its forward: whether it was given a token, and its site."""
+    ctx.had_token, ctx.site = token is not None, _SITE.get()
+
+
+def needs_grad(ctx, out: torch.Tensor) -> torch.Tensor:
+    """`out` of an ordered function whose first input is the tensor it communicates: not differentiable when that
+    input needs no gradient (a frozen layer's keys), and then its backward does not communicate. Whether an input
+    needs a gradient follows from which parameters train and the code path, never from a slice's data: the same on
+    every rank."""
+    if not ctx.needs_input_grad[0]:
+        ctx.mark_non_differentiable(out)
+    return out
+
+
+def token_grad(ctx, grad_token: torch.Tensor):
+    """The gradient a function returns for its incoming order token (None where it was given none)."""
+    return grad_token if ctx.had_token else None
+
+
+def run_ordered(fn, *args, **kwargs) -> torch.Tensor:
+    """`fn(*args, **kwargs)` -> a tensor, its collectives ordered: inside a CP forward as part of its order; outside
+    one (a layer recomputed by gradient checkpointing), as an order of their own tied into `fn`'s output."""
+    if _ORDER.get() is not None or not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    order = CollectiveOrder()
+    with order.running():
+        out = fn(*args, **kwargs)
+    return order.tie(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The collectives
 
 
 def _split_contiguous(x: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:
@@ -22,34 +292,34 @@ def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size:
         raise ValueError(f"dimension {scatter_dim} of size {x.shape[scatter_dim]} cannot be split over {size} ranks")
     send = torch.stack(_split_contiguous(x, size, scatter_dim))
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    _communicate("all-to-all", group, send.numel(), lambda: dist.all_to_all_single(recv, send, group=group))
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
 class _AllToAll(torch.autograd.Function):
-    """Sequence-sharded <-> head-sharded exchange. Its adjoint is the reverse exchange."""
+    """Sequence-sharded <-> head-sharded exchange. Its adjoint is the reverse exchange; ordered (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group, size):
+    def forward(ctx, x, scatter_dim, gather_dim, group, size, token):
         ctx.dims, ctx.group, ctx.size = (scatter_dim, gather_dim), group, size
-        return _all_to_all(x, scatter_dim, gather_dim, group, size)
+        remember_order(ctx, token)
+        return needs_grad(ctx, _all_to_all(x, scatter_dim, gather_dim, group, size)), new_token(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_token):
         scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.group, ctx.size), None, None, None, None
+        if not ctx.needs_input_grad[0]:
+            grad = None
+        else:
+            with site(ctx.site):
+                grad = _all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.group, ctx.size)
+        return grad, None, None, None, None, token_grad(ctx, grad_token)
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size: int) -> torch.Tensor:
     if size == 1:
         return x
-    return _AllToAll.apply(x, scatter_dim, gather_dim, group, size)
-
-
-def _collective(name: str, before_2_13: str):
-    """torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (deprecated there) to the *_single names.
-    Looked up at each call, as torch.distributed's functions are (the collective probes wrap them there)."""
-    return getattr(dist, name, None) or getattr(dist, before_2_13)
+    return ordered(_AllToAll, x, scatter_dim, gather_dim, group, size)
 
 
 def _all_gather_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
@@ -57,8 +327,13 @@ def _all_gather_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tens
     all_gather_into_tensor."""
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((size * front.shape[0], *front.shape[1:]))
-    _collective("all_gather_single", "all_gather_into_tensor")(out, front, group=group)
+    _communicate("all-gather", group, front.numel(), lambda: _all_gather_raw(out, front, group))
     return out.movedim(0, dim)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    _communicate("all-reduce", group, x.numel(), lambda: dist.all_reduce(x, group=group))
+    return x
 
 
 class _GatherKeepLocalGrad(torch.autograd.Function):
@@ -94,9 +369,7 @@ class _SumKeepLocalGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        out = x.detach().clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return _all_reduce(x.detach().clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -111,53 +384,95 @@ def sum_keep_local_grad(x: torch.Tensor, group, size: int) -> torch.Tensor:
 
 class _GatherOverGroup(torch.autograd.Function):
     """Every member's `x` stacked in rank order: (size, *x.shape). Each member uses all of them differently (a
-    ring's halos and state transfers), so backward sums the gradient over the group and keeps this member's block."""
+    ring's halos and state transfers), so backward sums the gradient over the group and keeps this member's block;
+    ordered (module docstring): a member that uses none of them still joins the backward's all-reduce."""
 
     @staticmethod
-    def forward(ctx, x, group, size, rank):
+    def forward(ctx, x, group, size, rank, token):
         ctx.group, ctx.rank = group, rank
-        return _all_gather_along(x.unsqueeze(0), 0, group, size)
+        remember_order(ctx, token)
+        return needs_grad(ctx, _all_gather_along(x.unsqueeze(0), 0, group, size)), new_token(x)
 
     @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank], None, None, None
+    def backward(ctx, grad, grad_token):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, token_grad(ctx, grad_token)
+        with site(ctx.site):
+            grad = _all_reduce(grad.contiguous().clone(), ctx.group)
+        return grad[ctx.rank], None, None, None, token_grad(ctx, grad_token)
 
 
 def gather_over_group(x: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
     """See `_GatherOverGroup`."""
     if size == 1:
         return x.unsqueeze(0)
-    return _GatherOverGroup.apply(x, group, size, rank)
+    return ordered(_GatherOverGroup, x, group, size, rank)
 
 
 class _ExchangeRows(torch.autograd.Function):
     """Rows sent to other ranks by count: rank r sends its first `send_counts[0]` rows to rank 0, the next
     `send_counts[1]` to rank 1, ..., and receives `recv_counts[s]` rows from each rank s, in rank order (one
-    all_to_all_single with uneven splits). Every row goes to exactly one rank, so the adjoint is the same
-    exchange in reverse: each rank gets back the gradient of the rows it sent."""
+    all_to_all_single with uneven splits; a rank with nothing to send or receive still takes part, with zero rows).
+    Every row goes to exactly one rank, so the adjoint is the same exchange in reverse: each rank gets back the
+    gradient of the rows it sent. Ordered (module docstring): its backward runs on every rank, also where the rows
+    received are used by nothing."""
 
     @staticmethod
-    def forward(ctx, x, send_counts, recv_counts, group):
+    def forward(ctx, x, send_counts, recv_counts, group, token):
         ctx.counts, ctx.group = (send_counts, recv_counts), group
-        return _exchange_rows(x, send_counts, recv_counts, group)
+        remember_order(ctx, token)
+        return needs_grad(ctx, _exchange_rows(x, send_counts, recv_counts, group)), new_token(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_token):
         send_counts, recv_counts = ctx.counts
-        return _exchange_rows(grad, recv_counts, send_counts, ctx.group), None, None, None
+        if not ctx.needs_input_grad[0]:
+            grad = None
+        else:
+            with site(ctx.site):
+                grad = _exchange_rows(grad, recv_counts, send_counts, ctx.group)
+        return grad, None, None, None, token_grad(ctx, grad_token)
 
 
 def _exchange_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    width = math.prod(x.shape[1:])
+    _communicate("uneven all-to-all (rows)", group, width,
+                 lambda: dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group))
     return out
 
 
 def exchange_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
     """See `_ExchangeRows`; `x` holds sum(send_counts) rows grouped by destination rank."""
-    return _ExchangeRows.apply(x, send_counts, recv_counts, group)
+    return ordered(_ExchangeRows, x, send_counts, recv_counts, group)
+
+
+def _timeout_of(group):
+    """The timeout the group was created with (None where the backend does not say)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - a private API, and a group without that device's backend
+            continue
+    return None
+
+
+def pass_around(tensors: list[torch.Tensor], group, next_rank: int, prev_rank: int) -> list[torch.Tensor]:
+    """Send `tensors` to `next_rank` and receive the same shapes from `prev_rank` (global ranks of `group`, a ring),
+    the sends and receives in one batch (no autograd: the ring's functions call it in forward and backward)."""
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), next_rank, group=group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prev_rank, group=group) for r in received]
+
+    timeout = _timeout_of(group)
+
+    def run():
+        for request in dist.batch_isend_irecv(ops):
+            # gloo's wait on a point-to-point request does not apply the group's timeout by itself
+            request.wait() if timeout is None else request.wait(timeout)
+
+    _communicate("ring pass", group, sum(t.numel() for t in tensors), run)
+    return received
 
 
 def all_gather_small(values: torch.Tensor, group, size: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ gradient-checkpointing recomputation sees the same state as the forward did.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .collectives import CollectiveOrder
 from .distributed import CPGroup, HybridGroups, gather_sequence, hybrid_groups
 from .flags import scoped
 from .layout import Segment, Split, cu_seqlens_of
@@ -190,9 +192,19 @@ class CPContext:
         """A full-row tensor (1, tokens, ...) in the caller's batch layout (batch, width, ...)."""
         return x if self.rows is None else self.rows.to_caller(x, fill=fill)
 
+    @functools.cached_property
+    def order(self) -> CollectiveOrder:
+        """The order of this forward's collectives (`collectives.py`): current while the backbone runs; the text
+        decoder ties its last token into its output."""
+        return CollectiveOrder(self.cp.group, self.cp.size)
+
+    @contextlib.contextmanager
     def running(self):
-        """Make this the current CP forward for the stock forward run inside the block."""
-        return scoped(_RUNNING, self)
+        """Make this the current CP forward (and its collectives' order) for the stock forward run inside the block;
+        with `VLMCP_DEBUG_COLLECTIVES=1` the ranks compare their collectives when it ends."""
+        with scoped(_RUNNING, self), self.order.running():
+            yield self
+        self.order.check("in forward")
 
 
 def current_cp_forward() -> CPContext | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from .collectives import gather_keep_local_grad
 from .errors import UnsupportedSetupError
 from .flags import BYPASS, scoped
-from .settings import cp_size
+from .settings import SETTINGS, cp_size
 
 _GROUPS: dict[tuple[int, int], object] = {}
 _HYBRID: dict[tuple[int, int, int], dict] = {}  # (world, P, U) -> this rank's Ulysses subgroup and ring
@@ -58,6 +59,8 @@ def _check_world(size: int) -> int:
 def _timeout_of_default_group():
     """The timeout the user gave the default group (init_process_group(timeout=...), the Trainer's
     ddp_timeout): new_group does not inherit it, it would fall back to the backend's default (30 min)."""
+    if SETTINGS.timeout:  # VLMCP_TIMEOUT
+        return datetime.timedelta(seconds=SETTINGS.timeout)
     try:
         from torch.distributed import distributed_c10d as c10d
 
@@ -81,10 +84,12 @@ def _release_groups() -> None:
     _HYBRID.clear()
 
 
-def _new_group(ranks: list[int]):
+def _new_group(ranks: list[int], role: str):
+    """A process group of `ranks` described as `role` (cp, ulysses, ring, world: the collectives' errors and debug
+    records name it), with the CP groups' timeout."""
     if not _GROUPS and not _WORLD_GROUP and not _HYBRID:
         atexit.register(_release_groups)
-    return dist.new_group(ranks=ranks, timeout=_timeout_of_default_group())
+    return dist.new_group(ranks=ranks, timeout=_timeout_of_default_group(), group_desc=f"vlmcp_{role}")
 
 
 def _group_for(size: int):
@@ -96,7 +101,7 @@ def _group_for(size: int):
         # the whole world: every rank creates every block, in order.
         mine = None
         for start in range(0, world, size):
-            group = _new_group(list(range(start, start + size)))
+            group = _new_group(list(range(start, start + size)), "cp")
             if start <= dist.get_rank() < start + size:
                 mine = group
         _GROUPS[key] = mine
@@ -136,12 +141,12 @@ def hybrid_groups(cp: CPGroup, ulysses: int) -> HybridGroups:
         mine = {}
         for block in range(0, world, cp.size):
             for start in range(block, block + cp.size, ulysses):
-                group = _new_group(list(range(start, start + ulysses)))
+                group = _new_group(list(range(start, start + ulysses)), "ulysses")
                 if start <= me < start + ulysses:
                     mine["ulysses"] = group
             for member in range(ulysses):
                 ranks = list(range(block + member, block + cp.size, ulysses))
-                group = _new_group(ranks)
+                group = _new_group(ranks, "ring")
                 if me in ranks:
                     mine["ring"] = (group, ranks)
         _HYBRID[key] = mine
@@ -192,7 +197,7 @@ def world_group():
     """A group of all ranks, separate from the default one (DeepSpeed's sequence-data-parallel group)."""
     world = dist.get_world_size()
     if world not in _WORLD_GROUP:
-        _WORLD_GROUP[world] = _new_group(list(range(world)))
+        _WORLD_GROUP[world] = _new_group(list(range(world)), "world")
     return _WORLD_GROUP[world]
 
 

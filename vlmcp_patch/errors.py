@@ -15,3 +15,8 @@ class UnsupportedSetupError(VLMCPError, ValueError):
 
 class CPInputError(VLMCPError, ValueError):
     """A batch that context parallelism cannot split exactly (or that is malformed)."""
+
+
+class CollectiveError(VLMCPError):
+    """A collective of the CP group failed or did not complete within the groups' timeout, or the ranks of a group
+    issued different collectives (`VLMCP_DEBUG_COLLECTIVES=1`)."""

@@ -8,6 +8,8 @@
 | `VLMCP_MATCH_VISION_PASSES` | `match_vision_passes` | CP only | placeholder vision passes, replicas without images |
 | `VLMCP_LOSS_CHUNK` | `loss_chunk_tokens` | auto | tokens per chunk of the chunked LM head + loss under CP |
 | `VLMCP_SPLIT_ROLLOUTS` | `split_rollouts` | off | TRL's RL rollouts: each rank of a CP group generates its share |
+| `VLMCP_TIMEOUT` | `timeout` | the user's | seconds a collective of the CP groups may wait before it raises |
+| `VLMCP_DEBUG_COLLECTIVES` | `debug_collectives` | off | ranks compare their collectives after each forward and backward |
 | `VLMCP_DISABLE` | (`revert()`) | off | nothing is patched; every helper reports P=1 |
 """
 
@@ -33,6 +35,16 @@ def env_int(name: str, default: int) -> int:
         raise UnsupportedSetupError(f"{name}={raw!r} is not an integer; e.g. {name}=2") from None
 
 
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise UnsupportedSetupError(f"{name}={raw!r} is not a number; e.g. {name}=600") from None
+
+
 def env_flag(name: str, default: bool | None = False) -> bool | None:
     raw = os.environ.get(name, "").strip().lower()
     if not raw:
@@ -54,6 +66,11 @@ class Settings:
     loss_chunk_tokens: int = 0  # 0: sized automatically (loss.chunk_tokens: fp32 logits ~32x the slice's hidden states)
     # TRL's RL rollouts under CP: each rank generates its share of the group's prompts (faster, other draws).
     split_rollouts: bool = False
+    # Seconds a collective of the CP groups waits for the other ranks before it raises (0: the timeout the user gave
+    # the default group). Read when the groups are created.
+    timeout: float = 0
+    # Every rank records its CP collectives; the ranks compare them after each forward and backward (collectives.py).
+    debug_collectives: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
@@ -62,6 +79,8 @@ class Settings:
             raise UnsupportedSetupError(
                 f"loss_chunk_tokens must be a non-negative integer, got {self.loss_chunk_tokens!r}"
             )
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout < 0:
+            raise UnsupportedSetupError(f"timeout must be a number of seconds >= 0, got {self.timeout!r}")
 
 
 def _from_environment() -> Settings:
@@ -72,6 +91,8 @@ def _from_environment() -> Settings:
         match_vision_passes=env_flag("VLMCP_MATCH_VISION_PASSES", None),
         loss_chunk_tokens=env_int("VLMCP_LOSS_CHUNK", 0),
         split_rollouts=env_flag("VLMCP_SPLIT_ROLLOUTS"),
+        timeout=env_float("VLMCP_TIMEOUT", 0),
+        debug_collectives=env_flag("VLMCP_DEBUG_COLLECTIVES"),
     )
     settings.validate()
     return settings
@@ -88,6 +109,8 @@ def enable(
     match_vision_passes: bool | None = None,
     loss_chunk_tokens: int | None = None,
     split_rollouts: bool | None = None,
+    timeout: float | None = None,
+    debug_collectives: bool | None = None,
 ) -> Settings:
     """Change the settings for every following forward; arguments left out keep their value.
 
@@ -100,6 +123,8 @@ def enable(
         "match_vision_passes": match_vision_passes,
         "loss_chunk_tokens": loss_chunk_tokens,
         "split_rollouts": split_rollouts,
+        "timeout": timeout,
+        "debug_collectives": debug_collectives,
     }
     new = dataclasses.replace(SETTINGS, **{k: v for k, v in given.items() if v is not None})
     new.validate()

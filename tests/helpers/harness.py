@@ -14,6 +14,11 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT = 300
+# Seconds any collective of a test may wait for the other ranks before it raises (the process groups' timeout, and
+# VLMCP_TIMEOUT for the CP groups of launched scripts): a hang becomes an error naming the collective well before
+# the run's own wall-clock bound, which only stops a run that neither finishes nor fails.
+HANG_TIMEOUT = 120
+STACK_DUMP_SIGNAL = signal.SIGUSR1  # each rank dumps every thread's stack on it (faulthandler)
 
 
 def free_port() -> int:
@@ -53,7 +58,7 @@ def launch(script: str | Path, args=(), *, procs: int = 1, launcher: str = "torc
     deepspeed) from the repository root, through tests/helpers/run_script.py (no interpreter finalization at exit);
     bounded in time."""
     cmd = [*_launcher(launcher, procs), "tests.helpers.run_script", str(script), *map(str, args)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "VLMCP_TIMEOUT": str(HANG_TIMEOUT), **(env or {})}
     # A session of its own: on timeout the launcher *and* its ranks are killed, so no orphaned rank keeps
     # its port and a CPU busy for the tests that follow.
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=ROOT,
@@ -61,10 +66,30 @@ def launch(script: str | Path, args=(), *, procs: int = 1, launcher: str = "torc
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _dump_stacks_then_kill(lambda sig: os.killpg(proc.pid, sig))
             stdout, stderr = proc.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _dump_stacks_then_kill(send) -> None:
+    """Ask every process to print its threads' stacks (to its stderr, which the test captures), give them a moment,
+    then kill them: a hung run shows where each rank waits."""
+    import time
+
+    for sig in (STACK_DUMP_SIGNAL, signal.SIGKILL):
+        try:
+            send(sig)
+        except ProcessLookupError:  # it ended meanwhile
+            return
+        time.sleep(3 if sig == STACK_DUMP_SIGNAL else 0)
+
+
+def dump_stacks_on_signal() -> None:
+    """In a rank: print every thread's stack to stderr on STACK_DUMP_SIGNAL."""
+    import faulthandler
+
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
 
 
 # Imported once by the fork server that starts every spawned rank: each rank forks from a process that already
@@ -90,10 +115,11 @@ def _entry(fn, rank, world_size, port, results, args, env, timeout):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    dump_stacks_on_signal()
     ok = False
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+                                timeout=datetime.timedelta(seconds=min(timeout, HANG_TIMEOUT)))
         results.put((rank, "ok", fn(rank, world_size, *args)))
         ok = True
     except BaseException:  # noqa: BLE001 - report anything to the parent
@@ -115,8 +141,9 @@ def _entry(fn, rank, world_size, port, results, args, env, timeout):
 def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None):
     """`fn(rank, world_size, *args)` on `world_size` spawned processes; returns the results in rank order.
 
-    Any rank's exception fails the call with that rank's traceback; if the ranks do not all finish
-    within `timeout` seconds (a hang in a collective), every process is killed and the call fails.
+    Any rank's exception fails the call with that rank's traceback. A collective that waits longer than
+    `HANG_TIMEOUT` raises in its rank; if the ranks do not all finish within `timeout` seconds, every process prints
+    its stacks and is killed, and the call fails.
     """
     ctx = _forkserver()
     results = ctx.Queue()
@@ -136,7 +163,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
         while len(out) + len(errors) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{fn.__name__} on {world_size} processes did not finish within {timeout}s")
+                for p in procs:
+                    if p.is_alive():
+                        _dump_stacks_then_kill(lambda sig, pid=p.pid: os.kill(pid, sig))
+                raise TimeoutError(f"{fn.__name__} on {world_size} processes did not finish within {timeout}s "
+                                   "(each rank's stacks are printed above, in the captured stderr)")
             try:
                 rank, status, value = results.get(timeout=min(remaining, 5))
             except queue.Empty:

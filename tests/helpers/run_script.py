@@ -17,6 +17,9 @@ import sys
 
 
 def main() -> None:
+    from tests.helpers.harness import dump_stacks_on_signal
+
+    dump_stacks_on_signal()  # a hung launched run prints each rank's stacks before it is killed (harness.launch)
     args = sys.argv[1:]
     launcher_args = [a for a in args if a.startswith("--local_rank")]  # the deepspeed launcher puts it first
     script, *script_args = [a for a in args if not a.startswith("--local_rank")]

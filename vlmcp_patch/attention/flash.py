@@ -28,7 +28,7 @@ import inspect
 
 import torch
 
-from ..collectives import all_to_all
+from ..collectives import all_to_all, run_ordered, site
 from ..context import CPContext
 from ..errors import UnsupportedSetupError
 from ..patching import Patch, resolve
@@ -117,7 +117,8 @@ def cp_flash_attn_varlen_func(wrapped, instance, args, kwargs):
         _check_boundaries(call.pop(name), ctx, name)
     for name in ("max_seqlen_q", "max_seqlen_k"):
         call.pop(name, None)
-    return _varlen_over_row(wrapped, q, k, v, ctx, call)
+    with site("a script's flash_attn_varlen_func"):
+        return run_ordered(_varlen_over_row, wrapped, q, k, v, ctx, call)
 
 
 def flash_attn_func_over_row(varlen):
@@ -132,7 +133,8 @@ def flash_attn_func_over_row(varlen):
         q, k, v = call.pop("q"), call.pop("k"), call.pop("v")  # (1, local tokens, heads, dim)
         if q.shape[0] != 1:
             raise UnsupportedSetupError(f"flash_attn_func under CP got {q.shape[0]} rows; the CP decoder runs one")
-        return _varlen_over_row(varlen, q[0], k[0], v[0], ctx, call)[None]
+        with site("a script's flash_attn_func"):
+            return run_ordered(_varlen_over_row, varlen, q[0], k[0], v[0], ctx, call)[None]
 
     return wrapper
 

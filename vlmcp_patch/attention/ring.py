@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from ..collectives import new_token, ordered, pass_around, remember_order, site, token_grad
 from ..context import CPContext
 from ..distributed import RingPeers
 
@@ -37,12 +37,7 @@ NEG_INF = float("-inf")
 
 def _pass_on(tensors: list[torch.Tensor], peers: RingPeers) -> list[torch.Tensor]:
     """Send `tensors` to the next member of the ring and receive the previous member's (the same shapes)."""
-    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peers.next_rank, group=peers.group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, peers.prev_rank, group=peers.group) for r in received]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return received
+    return pass_around(tensors, peers.group, peers.next_rank, peers.prev_rank)
 
 
 def block_mask(q_pos: torch.Tensor, q_seg: torch.Tensor, k_pos: torch.Tensor, k_seg: torch.Tensor) -> torch.Tensor:
@@ -167,10 +162,11 @@ def ring_shares(ctx: CPContext) -> Shares:
 
 class _RingAttention(torch.autograd.Function):
     """Softmax attention of this member's queries over the whole ring's keys (module docstring). q (B, H, T, D); k,
-    v (B, Hkv, T, D), every member's T the same."""
+    v (B, Hkv, T, D), every member's T the same. Ordered (`collectives.py`): every member passes k and v R-1 times
+    in forward and R times in backward, whatever its blocks hold."""
 
     @staticmethod
-    def forward(ctx, q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn, kernel: BlockKernel):
+    def forward(ctx, q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn, kernel: BlockKernel, token):
         out = lse = None
         held_k, held_v = k, v
         for step in range(peers.size):
@@ -184,11 +180,17 @@ class _RingAttention(torch.autograd.Function):
                 held_k, held_v = incoming
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.shares, ctx.peers, ctx.scale, ctx.kernel = shares, peers, scale, kernel
+        remember_order(ctx, token)
         ctx.mark_non_differentiable(lse)
-        return out.to(q.dtype), lse
+        return out.to(q.dtype), lse, new_token(q)
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, grad_token):
+        with site(ctx.site):
+            return _RingAttention._backward(ctx, dout, grad_token)
+
+    @staticmethod
+    def _backward(ctx, dout, grad_token):
         q, k, v, out, lse = ctx.saved_tensors
         shares, peers, scale = ctx.shares, ctx.peers, ctx.scale
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -209,7 +211,8 @@ class _RingAttention(torch.autograd.Function):
                 held_k, held_v, held_dk, held_dv = moved
             else:
                 held_dk, held_dv = moved
-        return dq.to(q.dtype), held_dk.to(k.dtype), held_dv.to(v.dtype), None, None, None, None, None
+        return (dq.to(q.dtype), held_dk.to(k.dtype), held_dv.to(v.dtype), None, None, None, None, None,
+                token_grad(ctx, grad_token))
 
 
 def ring_attention(q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn=merge,
@@ -217,4 +220,4 @@ def ring_attention(q, k, v, shares: Shares, peers: RingPeers, scale: float, merg
     """Attention of this ring member's queries (B, H, T, D) over every member's keys and values (B, Hkv, T, D):
     output (B, H, T, D), each block computed by `kernel`. `merge_fn` merges two partial attentions (the tests
     replace it to show that a wrong merge is caught)."""
-    return _RingAttention.apply(q, k, v, shares, peers, scale, merge_fn, kernel)[0]
+    return ordered(_RingAttention, q, k, v, shares, peers, scale, merge_fn, kernel)[0]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..collectives import all_to_all
+from ..collectives import all_to_all, module_site, run_ordered, site
 from ..context import CTX_KWARG, CPContext
 from ..distributed import cp_requested
 from ..errors import UnsupportedSetupError
@@ -112,7 +112,8 @@ def ulysses_attention(original: Callable, flavor: str) -> Callable:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         if args:
             raise TypeError("vlmcp_patch: attention functions are called with keyword arguments after the mask")
-        return attention_over_cp(original, flavor, module, query, key, value, ctx, kwargs), None
+        with site(module_site(module)):
+            return run_ordered(attention_over_cp, original, flavor, module, query, key, value, ctx, kwargs), None
 
     attention.__name__ = f"vlmcp_ulysses_{getattr(original, '__name__', flavor)}"
     attention.__wrapped__ = original

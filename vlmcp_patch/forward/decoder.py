@@ -65,4 +65,13 @@ def text_model_forward(wrapped, instance, args, kwargs):
     if carry_context_into_foreign_attention(instance) and ctx.cumulative_lengths is not None:
         call["attention_mask"] = ctx.cumulative_lengths  # a script's own attention reads the caller's boundaries
     call[CTX_KWARG] = ctx
-    return wrapped(**call)
+    return _tied_to_collectives(wrapped(**call), ctx)
+
+
+def _tied_to_collectives(out, ctx: CPContext):
+    """The decoder's output with its hidden state tied to the forward's collectives (`collectives.py`, rule 1): every
+    rank then runs every collective's backward, in the reverse of the forward order."""
+    if isinstance(out, tuple):
+        return (ctx.order.tie(out[0]), *out[1:])
+    out.last_hidden_state = ctx.order.tie(out.last_hidden_state)
+    return out

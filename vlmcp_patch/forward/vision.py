@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import exchange_rows
+from ..collectives import exchange_rows, site
 from ..context import CTX_KWARG, CPContext, current_cp_forward
 from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
@@ -258,7 +258,8 @@ def cp_image_features(wrapped, instance, args, kwargs, deepstack_per_item: bool 
     return_dict = call.pop("return_dict", True)
     for name in WHOLE_BATCH_TABLES:
         call.pop(name, None)
-    out, joined = features_of_slice(instance.visual, pixels, grid, ctx.vision_tokens[modality], ctx, call)
+    with site(f"the {modality} features' route to their tokens' ranks"):
+        out, joined = features_of_slice(instance.visual, pixels, grid, ctx.vision_tokens[modality], ctx, call)
     out = _split_joined(out, joined, deepstack_per_item)
     return out if return_dict else out.to_tuple()
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.heads import BSHD, kv_replication
-from ..collectives import all_to_all
+from ..collectives import all_to_all, module_site, run_ordered, site
 from ..context import CTX_KWARG, CPContext
 from ..forward.arguments import call_arguments
 from ..patching import Patch, source_digest
@@ -256,7 +256,8 @@ def cp_gated_deltanet_forward(wrapped, instance, args, kwargs):
     if kwargs.get(CTX_KWARG) is None:
         return wrapped(*args, **kwargs)
     call = call_arguments(wrapped, args, kwargs)
-    return gated_deltanet_over_cp(instance, call["hidden_states"], call[CTX_KWARG])
+    with site(module_site(instance)):
+        return run_ordered(gated_deltanet_over_cp, instance, call["hidden_states"], call[CTX_KWARG])
 
 
 def patches() -> list[Patch]:

@@ -1,0 +1,151 @@
+"""Nothing hangs: every rank of a CP group issues the same collectives in the same order, forward and backward,
+whatever its slice holds (`vlmcp_patch/collectives.py`).
+
+- Layouts that hung before the collectives were ordered — a padded batch whose second row starts on the first token
+  of the ring's last chunk (P=3), rows ending with an image at P = 5, 6, 7 and 8 (Qwen3.5 and Qwen3-VL) — equal
+  stock at P=1 (every gradient summed over the group, <= 1e-5), with the ranks' collective sequences compared by
+  the package after every forward and backward (`VLMCP_DEBUG_COLLECTIVES=1`) and here again.
+- The control: the same P=3 batch with the order token left out of the decoder's output hangs, and the CP groups'
+  timeout turns the hang into an error naming the collective and the layer.
+- The debug check raises on every rank at the first difference; a rank that never arrives makes the other raise
+  within `VLMCP_TIMEOUT`, naming the collective and its site.
+- The integration tier sweeps generated rows over P = 2..8 and every U x R the heads allow, the four families.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.helpers.harness import run_distributed
+from tests.helpers.order_cases import FIXED, draw_sweep, run_fixed, run_sweep
+from tests.helpers.parity import TOL
+
+
+def assert_exact_and_ordered(per_rank: list, where: str) -> None:
+    for rank, m in enumerate(per_rank):
+        at = f"{where}, rank {rank}"
+        assert m["loss_err"] <= TOL and m["logits_err"] <= TOL, at
+        assert m["grad_err"] <= TOL, f"{at}: {m['worst_grad']}"
+        assert m["missing_grads"] == [], at
+    assert len({m["loss"] for m in per_rank}) == 1, where
+    # the same collectives, in the same order, on every rank (the package compared them after each forward and
+    # backward; the test compares the whole run again)
+    assert len({(m["collectives"], m["sequence"]) for m in per_rank}) == 1, where
+    assert per_rank[0]["collectives"] > 0, where
+
+
+@pytest.mark.parametrize("cp_size", sorted(FIXED))
+def test_layouts_that_hung_equal_stock_with_one_order_of_collectives(cp_size):
+    per_rank = run_distributed(run_fixed, cp_size, timeout=240)
+    for case in per_rank[0]:
+        assert_exact_and_ordered([res[case] for res in per_rank], f"{case}, P={cp_size}")
+
+
+def unordered_row(rank: int, world_size: int) -> str:
+    """The P=3 padded batch of `FIXED` with the decoder's output not tied to the collectives' order: the rank whose
+    chunks use no passed state skips the backward of the state's gather."""
+    from tests.helpers.cases import build_batch
+    from tests.helpers.order_cases import CONFIGS
+    from vlmcp_patch.collectives import CollectiveOrder
+    from vlmcp_patch.errors import CollectiveError
+    from vlmcp_patch.fixtures.models import build_model
+
+    import vlmcp_patch
+
+    CollectiveOrder.tie = lambda self, x: x  # the control: no order token in the graph
+    model = build_model(CONFIGS["qwen3_5_text"](), seed=1)
+    vlmcp_patch.enable(cp_size=world_size, timeout=8)
+    try:
+        model(**build_batch(("padded", [30, 6]), seed=7)).loss.backward()
+    except CollectiveError as error:
+        return str(error)
+    return ""
+
+
+def test_without_the_order_the_same_batch_hangs_and_the_timeout_names_the_collective():
+    start = time.monotonic()
+    messages = run_distributed(unordered_row, 3, timeout=90)
+    assert time.monotonic() - start < 80
+    # the ranks left waiting for the one that skipped a backward collective raise, naming the collective and the layer
+    raised = [m for m in messages if m]
+    assert raised, messages
+    assert all(" did not complete on global rank " in m and " of layer " in m and "(backward)" in m for m in raised), raised
+
+
+def collectives_at_different_sites(rank: int, world_size: int) -> str:
+    """Both ranks gather the same tensor (the wire agrees), one at a site the other does not name: the debug check
+    sees the difference."""
+    import torch
+
+    from vlmcp_patch.collectives import all_gather_small, check_collectives, site
+    from vlmcp_patch.distributed import get_cp_group
+    from vlmcp_patch.errors import CollectiveError
+
+    import vlmcp_patch
+
+    vlmcp_patch.enable(debug_collectives=True)
+    group = get_cp_group(world_size).group
+    with site("layer 1"):
+        all_gather_small(torch.ones(2), group, world_size)
+    with site("layer 2" if rank == 0 else "layer 3"):
+        all_gather_small(torch.ones(2), group, world_size)
+    try:
+        check_collectives(group, world_size, "in the test")
+    except CollectiveError as error:
+        return str(error)
+    return ""
+
+
+def test_the_debug_check_raises_on_every_rank_at_the_first_difference():
+    for message in run_distributed(collectives_at_different_sites, 2, timeout=60):
+        assert "collective 2 of the step differs" in message, message
+        assert "rank 0: forward all-gather over vlmcp_cp[2], 2 elements, at layer 2" in message, message
+        assert "rank 1: forward all-gather over vlmcp_cp[2], 2 elements, at layer 3" in message, message
+
+
+def a_rank_that_never_arrives(rank: int, world_size: int) -> dict:
+    import torch
+
+    from vlmcp_patch.collectives import all_to_all, site
+    from vlmcp_patch.distributed import get_cp_group
+    from vlmcp_patch.errors import CollectiveError
+
+    import vlmcp_patch
+
+    vlmcp_patch.enable(timeout=3)
+    group = get_cp_group(world_size).group
+    if rank == 1:
+        time.sleep(8)  # never issues the exchange
+        return {}
+    start = time.monotonic()
+    try:
+        with site("Qwen3VLTextAttention of layer 7"):
+            all_to_all(torch.ones(1, 4, 2), 1, 2, group, world_size)
+    except CollectiveError as error:
+        return {"message": str(error), "seconds": time.monotonic() - start}
+    return {"message": "", "seconds": time.monotonic() - start}
+
+
+def test_a_collective_that_never_completes_raises_naming_it():
+    waited = run_distributed(a_rank_that_never_arrives, 2, timeout=60)[0]
+    assert waited["message"].startswith("vlmcp-patch: the all-to-all over the vlmcp_cp[2] group at "
+                                        "Qwen3VLTextAttention of layer 7 (forward) did not complete"), waited
+    assert waited["seconds"] < 7, waited
+
+
+SWEEP_SEED = int(os.environ.get("VLMCP_SWEEP_SEED", "34"))
+SWEEP = draw_sweep(SWEEP_SEED, sizes=list(range(2, 9)), per_size=2)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("cp_size", sorted(SWEEP))
+def test_generated_rows_equal_stock_with_one_order_of_collectives(cp_size):
+    print(f"sweep seed {SWEEP_SEED} (rerun: VLMCP_SWEEP_SEED={SWEEP_SEED}); P={cp_size}: {SWEEP[cp_size]}")
+    per_rank = run_distributed(run_sweep, cp_size, SWEEP[cp_size], timeout=400)
+    for i, case in enumerate(SWEEP[cp_size]):
+        assert_exact_and_ordered([res[i] for res in per_rank], f"seed {SWEEP_SEED}, P={cp_size}, {case}")
+    layouts = {res[i]["ulysses"] for res in per_rank for i in range(len(SWEEP[cp_size]))}
+    assert all(cp_size % u == 0 for u in layouts), layouts
