@@ -137,7 +137,7 @@ def test_a_collective_that_never_completes_raises_naming_it():
 
 
 SWEEP_SEED = int(os.environ.get("VLMCP_SWEEP_SEED", "34"))
-SWEEP = draw_sweep(SWEEP_SEED, sizes=list(range(2, 9)), per_size=2)
+SWEEP = draw_sweep(SWEEP_SEED, sizes=list(range(2, 9)), per_size=4)
 
 
 @pytest.mark.integration

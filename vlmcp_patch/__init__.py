@@ -22,7 +22,7 @@ from .distributed import (  # noqa: E402
     get_cp_group,
     sum_over_cp_group,
 )
-from .errors import CPInputError, PatchTargetError, UnsupportedSetupError, VLMCPError  # noqa: E402
+from .errors import CollectiveError, CPInputError, PatchTargetError, UnsupportedSetupError, VLMCPError  # noqa: E402
 from .forward.generate import GENERATE_PATCH  # noqa: E402
 from .integrations import accelerate as _accelerate  # noqa: E402
 from .integrations import deepspeed as _deepspeed  # noqa: E402
@@ -91,6 +91,7 @@ if not env_flag("VLMCP_DISABLE"):
 __all__ = [
     "VLMCPCallback",
     "check_cp_setup",
+    "CollectiveError",
     "CPInputError",
     "PatchTargetError",
     "UnsupportedSetupError",

@@ -44,10 +44,11 @@ CONFIGS = {
     "qwen3_5_text": lambda: tiny_qwen3_5_config(text_only=True),
 }
 
-# (config, batch) per P. At P=3 the second row of the padded batch starts exactly on the first token of the
-# ring's last chunk: the rank holding chunks 0 and 5 used no state passed to it (it hung).
+# (config, batch[, gradient checkpointing]) per P. At P=3 the second row of the padded batch starts exactly on the
+# first token of the ring's last chunk: the rank holding chunks 0 and 5 used no state passed to it (it hung); with
+# reentrant checkpointing each layer's collectives are ordered again when it is recomputed in backward.
 FIXED = {
-    3: [("qwen3_5_text", ("padded", [30, 6]))],
+    3: [("qwen3_5_text", ("padded", [30, 6])), ("qwen3_5_text", ("padded", [30, 6]), "reentrant")],
     5: [("qwen3_5", IMAGE_AT_THE_END), ("qwen3_vl", SMALL_IMAGE_AT_THE_END)],
     6: [("qwen3_5", IMAGE_AT_THE_END), ("qwen3_vl", IMAGE_AT_THE_END)],
     7: [("qwen3_5", SMALL_IMAGE_AT_THE_END), ("qwen3_vl", IMAGE_AT_THE_END)],
@@ -83,10 +84,18 @@ def _run(model, layout, world_size: int, packed: bool) -> dict:
     return {**metrics, "collectives": count, "sequence": digest}
 
 
+def _model(name: str, checkpointing: str = ""):
+    model = build_model(CONFIGS[name](), seed=1)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        model.train()
+    return model
+
+
 def run_fixed(rank: int, world_size: int) -> dict:
     """The fixed cases of `FIXED[world_size]`, each against stock."""
-    return {f"{name} {layout}": _run(build_model(CONFIGS[name](), seed=1), layout, world_size, packed=False)
-            for name, layout in FIXED[world_size]}
+    return {" ".join(map(str, case)): _run(_model(case[0], *case[2:]), case[1], world_size, packed=False)
+            for case in FIXED[world_size]}
 
 
 # ---------------------------------------------------------------------------------------------------------
