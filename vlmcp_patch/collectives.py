@@ -61,10 +61,6 @@ def site(name: str):
     return _reset_on_exit(_SITE, token)
 
 
-def current_site() -> str:
-    return _SITE.get()
-
-
 def module_site(module) -> str:
     """The site name of a module's collectives: its class, and its layer where it has one."""
     layer = getattr(module, "layer_idx", None)

@@ -25,24 +25,22 @@ from .patching import PATCHES
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
-def env_int(name: str, default: int) -> int:
+def _env_number(name: str, default, parse, what: str, example: str):
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        return int(raw)
+        return parse(raw)
     except ValueError:
-        raise UnsupportedSetupError(f"{name}={raw!r} is not an integer; e.g. {name}=2") from None
+        raise UnsupportedSetupError(f"{name}={raw!r} is not {what}; e.g. {name}={example}") from None
+
+
+def env_int(name: str, default: int) -> int:
+    return _env_number(name, default, int, "an integer", "2")
 
 
 def env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise UnsupportedSetupError(f"{name}={raw!r} is not a number; e.g. {name}=600") from None
+    return _env_number(name, default, float, "a number", "600")
 
 
 def env_flag(name: str, default: bool | None = False) -> bool | None:
