@@ -17,7 +17,7 @@ from packaging.version import Version
 from .errors import UnsupportedSetupError
 
 OLDEST = Version("5.16.0")  # the oldest release CI runs on
-NEWEST = Version("5.24.0")  # the newest release CI runs on
+NEWEST = Version("5.25.0")  # the newest release CI runs on
 TESTED = f">={OLDEST.major}.{OLDEST.minor},<{NEWEST.major}.{NEWEST.minor + 1}"
 
 

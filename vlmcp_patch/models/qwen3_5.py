@@ -49,12 +49,17 @@ TEXT_MODEL_PARAMS = ("input_ids", "inputs_embeds", "position_ids", "attention_ma
 # the MoE module), with the releases each was checked on. A digest not listed means upstream changed the layer:
 # re-check it. Between them only the cache handling (not used under CP) differs, and where q and k are repeated
 # to the value heads: in the layer's forward before the delta rule up to 5.22, inside the rule functions from
-# 5.23 (grouped value attention).
+# 5.23 (grouped value attention). 5.25 moved the conv into a module-level `causal_conv1d_forward` (the same conv
+# without a cache) and lets the chunked rule leave `cache.get_recurrent_states_to_keep` trailing tokens to the
+# recurrent rule (none without a cache): under CP (no cache) the layer computes what it did in 5.24. The CP path
+# calls `causal_conv1d_fn` and the rule functions itself, never `causal_conv1d_forward`, so a kernel that
+# `kernels.kernelize` puts in place of that one is not on the CP path (`kernel_problem` checks the others).
 GATED_DELTANET_FORWARD = {
     "bd25761e1031fff0": "transformers>=5.16,<5.21",
     "43718d6c3e7255e6": "transformers>=5.21,<5.23",
     "8f31ae7d35daf534": "transformers>=5.23,<5.24",
     "08cf65a63ca582a2": "transformers>=5.24,<5.25",
+    "a43ffe9ab7f49c75": "transformers>=5.25,<5.26",
 }
 FORWARD_REPEATS_KEY_HEADS = {"bd25761e1031fff0", "43718d6c3e7255e6"}
 # Digests of the upstream Qwen3_5Model.get_image_features (the same in the MoE module) that the CP path replaces
@@ -62,7 +67,7 @@ FORWARD_REPEATS_KEY_HEADS = {"bd25761e1031fff0", "43718d6c3e7255e6"}
 IMAGE_FEATURES = ImageFeatures(digests={
     "6727c329a5f160b1": "transformers>=5.16,<5.18",
     "f025aaaa71a69cd7": "transformers>=5.18,<5.23",
-    "70b336d6aa3c2cfd": "transformers>=5.23,<5.25",
+    "70b336d6aa3c2cfd": "transformers>=5.23,<5.26",
 })
 
 
