@@ -1,0 +1,42 @@
+"""Hub kernels (`kernels.kernelize`) on Qwen3.5's gated DeltaNet: as stock with CP off; under CP either the
+package's path, exactly, or a refusal on every rank before compute that says how to run.
+
+The forwards are replaced exactly as kernelize replaces them (tests/helpers/kernelize_cases.py says why kernelize
+itself does not run here: transformers 5.25 needs kernels>=0.19.1, and real kernels come from the hub).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.harness import run_distributed
+from tests.helpers.kernelize_cases import run_kernelize_cases
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(run_kernelize_cases, 2, timeout=240)
+
+
+def test_a_kernelized_layer_runs_as_stock_with_cp_off_and_is_refused_under_cp(results):
+    for rank, res in enumerate(results):
+        assert res["layer_p1_equal"], rank  # CP off: the kernel runs, bit for bit as on stock transformers
+        layer = res["layer"]
+        assert layer["error"] == "UnsupportedSetupError", (rank, layer)
+        assert "kernelize" in layer["message"] and "del layer.forward" in layer["message"], (rank, layer["message"])
+        assert layer["kernel_calls"] == 0 and layer["seconds"] < 10, (rank, layer)  # before any compute
+
+
+def test_kernelizes_fallback_binding_the_class_forward_runs_cp_exactly(results):
+    """Control of the refusal above: the same instance-level binding, of the class's (patched) forward, runs."""
+    for rank, res in enumerate(results):
+        assert res["fallback"]["error"] is None, (rank, res["fallback"])
+        assert res["fallback"]["err"] <= 1e-5, (rank, res["fallback"])
+
+
+def test_a_kernelized_conv_runs_on_the_cp_path_exactly(results):
+    for rank, res in enumerate(results):
+        assert res["conv_p1_err"] <= 1e-5, rank
+        conv = res["conv"]
+        assert conv["error"] is None, (rank, conv)
+        assert conv["err"] <= 1e-5 and conv["kernel_calls"] > 0, (rank, conv)
