@@ -176,13 +176,13 @@ def test_a_target_that_does_not_verify_leaves_its_family_stock(reapply):
 def test_a_transformers_older_than_the_tested_releases_is_refused():
     with pytest.raises(vlmcp_patch.UnsupportedSetupError, match=f"needs transformers {OLDEST} or newer"):
         check_transformers_version("5.15.1")
-    for version in (str(OLDEST), "5.22.1", str(NEWEST), "5.25.0", "6.0.0"):
+    for version in (str(OLDEST), "5.22.1", str(NEWEST), "5.26.0", "6.0.0"):
         check_transformers_version(version)  # newer releases are decided by their patch targets, not refused
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("version,warnings", [(transformers.__version__, 0), ("5.25.0.dev0", 1),
-                                              pytest.param("5.25.0", 1, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("version,warnings", [(transformers.__version__, 0), ("5.26.0.dev0", 1),
+                                              pytest.param("5.26.0", 1, marks=pytest.mark.extended)])
 def test_an_untested_newer_transformers_imports_with_one_warning(version, warnings):
     code = f"""
         import warnings, transformers
