@@ -18,9 +18,11 @@ def results():
     return run_distributed(run_kernelize_cases, 2, timeout=240)
 
 
-def test_a_kernelized_layer_runs_as_stock_with_cp_off_and_is_refused_under_cp(results):
+def test_a_kernelized_layer_runs_as_stock_with_cp_off_and_is_refused_on_the_packages_path(results):
     for rank, res in enumerate(results):
         assert res["layer_p1_equal"], rank  # CP off: the kernel runs, bit for bit as on stock transformers
+        packed = res["layer_p1_packed"]  # a packed row at P=1 takes the package's path: refused as well
+        assert packed["error"] == "UnsupportedSetupError" and "kernelize" in packed["message"], (rank, packed)
         layer = res["layer"]
         assert layer["error"] == "UnsupportedSetupError", (rank, layer)
         assert "kernelize" in layer["message"] and "del layer.forward" in layer["message"], (rank, layer["message"])

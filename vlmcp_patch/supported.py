@@ -23,8 +23,9 @@ class Family:
     text_model: str  # the text decoder, cut to this rank's slice
     multimodal_model: str | None = None  # holds the vision tower and places its features (None: text only)
     vision_model: str | None = None
-    # What this family cannot run under CP that only it knows of (e.g. layers `kernels.kernelize` replaced): the
-    # model -> a message saying how to run it, or None. Checked with the batch, before compute, on every rank.
+    # What this family cannot run on the package's path (under CP, a packed row at P=1) that only it knows of (e.g.
+    # layers `kernels.kernelize` replaced): the model -> a message saying how to run it, or None. Checked with the
+    # batch, before compute, on every rank.
     cp_check: Callable | None = field(default=None, compare=False)
 
     @property

@@ -83,6 +83,14 @@ def _batch():
     return batch
 
 
+def _packed_row():
+    from vlmcp_patch.fixtures.data import Segment, make_packed_batch
+
+    row = make_packed_batch([[Segment(text=9)], [Segment(text=13)]], seed=5)[0]
+    row.pop("labels", None)
+    return row
+
+
 def _layers(model):
     return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
 
@@ -118,8 +126,8 @@ def run_kernelize_cases(rank: int, world_size: int) -> dict:
     model = _model()
     for layer in _layers(model):
         _replace_forward(layer, HubDeltaNet)
-    with vlmcp_patch.disabled():
-        out["layer_p1_equal"] = bool(torch.equal(_logits(model, batch), stock))
+    out["layer_p1_equal"] = bool(torch.equal(_logits(model, batch), stock))  # CP off: the kernel, as on stock
+    out["layer_p1_packed"] = _cp_run(model, _packed_row(), stock)  # the package's path at P=1: refused too
     vlmcp_patch.enable(cp_size=world_size)
     CALLS["layer"] = 0
     out["layer"] = _cp_run(model, batch, stock)

@@ -43,9 +43,11 @@ def _deltanet_class(family: Family) -> type:
 
 
 def kernelized_layer_problem(model) -> str | None:
-    """Under CP, a DeltaNet layer whose forward was replaced on the module itself, the way `kernels.kernelize`
-    installs a hub kernel (`module.forward = MethodType(kernel.forward, module)`): that forward would bypass the
-    class's (patched) forward and run the layer on this rank's slice alone. Refused, saying how to run.
+    """On the package's path (under CP, a packed row at P=1), a DeltaNet layer whose forward was replaced on the
+    module itself, the way `kernels.kernelize` installs a hub kernel (`module.forward = MethodType(kernel.forward,
+    module)`): that forward would bypass the class's (patched) forward and run the layer on this rank's slice alone,
+    through the samples of a packed row. Refused, saying how to run. With CP off an ordinary batch never gets here:
+    the kernel runs as on stock.
 
     kernelize's own fallback binds the class's forward as it is then: with the package applied that is the CP
     path, so it passes. The functions kernelize may replace (`causal_conv1d_fn`, the delta-rule functions) keep
@@ -61,7 +63,8 @@ def kernelized_layer_problem(model) -> str | None:
                 f"the gated DeltaNet layer {name} ({type(module).__name__}) runs a forward replaced on the module "
                 f"({getattr(bound, '__qualname__', bound)}), as `kernels.kernelize` installs a hub kernel "
                 "(`model.kernelize()`, `from_pretrained(..., use_kernels=True)`); under CP it would run on this "
-                "rank's slice of the row alone. To run CP, don't kernelize the model (the CP path uses the "
+                "rank's slice of the row alone, and at P=1 through the samples of a packed row. To run CP or packed "
+                "rows, don't kernelize the model (the package's path uses the "
                 "flash-linear-attention and causal-conv1d kernels by itself where they are installed), or give "
                 "kernelize a `KernelConfig` / mapping without `Qwen3_5GatedDeltaNet`, or restore the class's "
                 "forward with `del layer.forward` on each such layer; or set VLMCP_CP_SIZE=1."
