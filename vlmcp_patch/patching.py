@@ -383,13 +383,23 @@ class PatchSet:
         """Why the patches of `package` that did not verify were refused (empty when all installed)."""
         return [why for pkg, why in self.refused.values() if pkg == package or pkg.startswith(f"{package}.")]
 
+    def _why_not_installed(self, patch) -> str | None:
+        """The refusal of an optional patch, the check failure of a core one, or why its family was left stock."""
+        if patch.target in self.refused:
+            return self.refused[patch.target][1]
+        if patch.target in self.unverified:
+            return self.unverified[patch.target][1]
+        family = getattr(patch, "family", None)
+        blocked = [t for t, (fam, _) in self.unverified.items() if family is not None and fam in (None, family)]
+        return f"left stock with its family: {', '.join(blocked)} did not verify" if blocked else None
+
     def status(self) -> list[dict]:
         return [
             {
                 "target": p.target,
                 "reason": p.reason,
                 "applied": p.target in self._undo,
-                "refused": self.refused.get(p.target, self.unverified.get(p.target, (None, None)))[1],
+                "refused": self._why_not_installed(p),
                 "requires": _package(p),
                 "mirrors": dict(getattr(p, "mirrors", None) or {}) or None,
                 "checked_on": getattr(p, "checked_on", None),
