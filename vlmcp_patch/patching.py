@@ -289,7 +289,7 @@ class PatchSet:
 
     patches: list = field(default_factory=list)
     refused: dict = field(default_factory=dict)  # target -> (package, why) of optional patches that did not verify
-    unverified: dict = field(default_factory=dict)  # target -> (family or None, why) of core patches that did not
+    unverified: dict = field(default_factory=dict)  # target -> (family or None, why): core targets not verified
     _undo: dict = field(default_factory=dict)  # target -> undo function of the installed patches
     _active: bool = False
     _hooked: set = field(default_factory=set)
@@ -325,6 +325,11 @@ class PatchSet:
                 patch = patch.guarded() if isinstance(patch, Patch) else None
                 if patch is None:
                     continue
+                try:
+                    self._undo[patch.target] = patch.apply()
+                except PatchTargetError:  # not even a plain method any more: nothing to guard, stock stays
+                    pass
+                continue
             self._undo[patch.target] = patch.apply()
 
     def unverified_for(self, family: str) -> list[tuple[str, str]]:
