@@ -34,8 +34,19 @@ def _wheel(path: Path, change: str | None = None) -> check_release.Release:
 
 @pytest.fixture(scope="module")
 def records():
-    return [p for p in check_release.PATCHES.patches
-            if isinstance(p, check_release.Patch) and p.target.startswith("transformers.models.")]
+    import transformers
+
+    records = check_release.patch_records(transformers.__version__)
+    return [p for p in records if p.target.startswith("transformers.models.")]
+
+
+def test_reading_the_records_leaves_the_environment_as_it_was(monkeypatch):
+    """The tool imports the package disabled; the processes tests start afterwards must not inherit that."""
+    monkeypatch.delenv("VLMCP_DISABLE", raising=False)
+    check_release.patch_records("5.25.0")
+    import os
+
+    assert "VLMCP_DISABLE" not in os.environ
 
 
 def test_every_target_of_the_installed_release_verifies_from_its_source(records, tmp_path):

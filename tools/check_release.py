@@ -25,12 +25,33 @@ import sys
 import zipfile
 from pathlib import Path
 
-os.environ["VLMCP_DISABLE"] = "1"  # the records only: nothing is patched in this process
+from packaging.requirements import Requirement
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlmcp_patch import PATCHES  # noqa: E402
-from vlmcp_patch.compat import NEWEST  # noqa: E402
-from vlmcp_patch.patching import Patch  # noqa: E402
+
+def patch_records(version: str) -> list:
+    """The package's patch records of transformers targets that apply to `version` (`Patch.since`). The package is
+    imported with VLMCP_DISABLE=1 (the records only: nothing is patched) unless it already was; the variable is put
+    back, so the processes a caller starts later see the environment it had."""
+    previous = os.environ.get("VLMCP_DISABLE")
+    os.environ["VLMCP_DISABLE"] = "1"
+    try:
+        import vlmcp_patch
+        from vlmcp_patch.patching import Patch
+    finally:
+        if previous is None:
+            os.environ.pop("VLMCP_DISABLE")
+        else:
+            os.environ["VLMCP_DISABLE"] = previous
+    return [p for p in vlmcp_patch.PATCHES.patches if isinstance(p, Patch) and p.target.startswith("transformers.")
+            and (p.since is None or Requirement(p.since).specifier.contains(version, prereleases=True))]
+
+
+def newest_checked() -> str:
+    from vlmcp_patch.compat import NEWEST
+
+    return str(NEWEST)
 
 
 def wheel(version: str, directory: Path) -> Path:
@@ -89,7 +110,7 @@ def parameters(node: ast.AST) -> set[str]:
     return {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
 
 
-def check(patch: Patch, new: Release) -> list[str]:
+def check(patch, new: Release) -> list[str]:
     """What no longer verifies for `patch` in the release `new` (empty: it verifies)."""
     source, node, where = new.definition(patch.target)
     if node is None or source is None:
@@ -113,12 +134,13 @@ def diff(target: str, old: Release, new: Release, old_version: str, new_version:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("version")
-    parser.add_argument("--against", default=str(NEWEST), help="the release to diff against (default: newest checked)")
+    parser.add_argument("--against", help="the release to diff against (default: the newest checked)")
     parser.add_argument("--wheels", type=Path, default=Path.home() / ".cache" / "vlmcp-patch" / "wheels")
     args = parser.parse_args(argv)
     args.wheels.mkdir(parents=True, exist_ok=True)
     new = Release(wheel(args.version, args.wheels))
-    records = [p for p in PATCHES.patches if isinstance(p, Patch) and p.target.startswith("transformers.")]
+    records = patch_records(args.version)
+    args.against = args.against or newest_checked()
     changed = {p.target: check(p, new) for p in records}
     changed = {target: problems for target, problems in changed.items() if problems}
     print(f"transformers {args.version}: {len(records) - len(changed)} of {len(records)} patch targets verify")
