@@ -43,3 +43,37 @@ def test_a_kernelized_conv_runs_on_the_cp_path_exactly(results):
         conv = res["conv"]
         assert conv["error"] is None, (rank, conv)
         assert conv["err"] <= 1e-5 and conv["kernel_calls"] > 0, (rank, conv)
+
+
+def _transformers_wrapper(is_new_implementation: bool, supported_devices):
+    """The shape of transformers' `use_kernel_func_from_hub_with_fallback` wrapper: its decision in closure cells."""
+
+    def wrapped(*args, **kwargs):
+        return is_new_implementation, supported_devices
+
+    return wrapped
+
+
+def test_the_cp_path_reads_which_kernel_transformers_resolved():
+    """Packed-sequence arguments go only to a kernel that takes them on the inputs' device: transformers 5.25 sends
+    inputs on other devices (CPU) to the torch path, which refuses them; with `kernels` installed the wrapper is
+    the forward of a function module, and one kernelize replaced is called per sample."""
+    import torch
+
+    from vlmcp_patch.models.qwen3_5 import _takes_packed_sequences
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    fla = _transformers_wrapper(True, ("cuda",))
+    assert _takes_packed_sequences(fla, cuda) and not _takes_packed_sequences(fla, cpu)
+    assert _takes_packed_sequences(_transformers_wrapper(True, None), cpu)  # 5.16-5.24: no device check
+    assert not _takes_packed_sequences(_transformers_wrapper(False, None), cuda)  # the torch reference
+
+    class Func(torch.nn.Module):  # kernels' `use_kernel_forward_from_hub` on a function
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+
+    func = fla
+    module = Func()
+    assert _takes_packed_sequences(module, cuda) and not _takes_packed_sequences(module, cpu)
+    module.forward = lambda *args, **kwargs: None  # a hub kernel bound by kernelize: its stock signature only
+    assert not _takes_packed_sequences(module, cuda)
