@@ -75,5 +75,7 @@ def test_the_cp_path_reads_which_kernel_transformers_resolved():
     func = fla
     module = Func()
     assert _takes_packed_sequences(module, cuda) and not _takes_packed_sequences(module, cpu)
+    module.forward = Func.forward.__get__(module)  # kernelize's fallback: the class's own forward, bound
+    assert _takes_packed_sequences(module, cuda)
     module.forward = lambda *args, **kwargs: None  # a hub kernel bound by kernelize: its stock signature only
     assert not _takes_packed_sequences(module, cuda)

@@ -44,10 +44,11 @@ def warn_if_untested(version: str = transformers.__version__, unverified: dict |
     """One warning for a transformers newer than the tested releases, or one whose patch targets did not all
     verify (`unverified`: target -> (family, why), from `PatchSet.unverified`)."""
     if unverified:
+        families = ", ".join(sorted({family or "every family" for family, _ in unverified.values()}))
         warnings.warn(
             f"vlmcp-patch: with transformers {version}, these patch targets did not verify: "
             f"{', '.join(unverified)}; the newest release vlmcp-patch was checked on is transformers {NEWEST}. "
-            f"The models of their families ({', '.join(sorted({str(f or 'every family') for f, _ in unverified.values()}))}) "
+            f"The models of their families ({families}) "
             "are left stock: with CP off they run exactly as stock, under CP their first forward raises. "
             "Everything else is patched.",
             UntestedVersionWarning,

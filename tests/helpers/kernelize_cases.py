@@ -32,7 +32,8 @@ def _kernels():
         import kernels
     except ImportError:
         return None
-    wanted = ("kernelize", "use_kernel_mapping", "Mode", "replace_kernel_forward_from_hub", "use_kernel_forward_from_hub")
+    wanted = ("kernelize", "use_kernel_mapping", "Mode", "replace_kernel_forward_from_hub",
+              "use_kernel_forward_from_hub")
     return kernels if all(hasattr(kernels, name) for name in wanted) else None
 
 

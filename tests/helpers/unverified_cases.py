@@ -15,7 +15,6 @@ import warnings
 import torch
 
 
-
 def _break(how: str):
     """Make one target unverifiable; returns (family name, a model of it, the other family's model)."""
     from transformers.models.qwen3_vl import modeling_qwen3_vl as vl

@@ -36,7 +36,6 @@ from .base import ImageFeatures, family_patches
 from .deltanet_ring import conv_over_ring, delta_rule_over_ring
 
 
-
 def _deltanet_class(family: Family) -> type:
     prefix = family.text_model.removesuffix("TextModel")
     return getattr(importlib.import_module(family.module), f"{prefix}GatedDeltaNet")
@@ -91,7 +90,8 @@ TEXT_MODEL_PARAMS = ("input_ids", "inputs_embeds", "position_ids", "attention_ma
 # without a cache) and lets the chunked rule leave `cache.get_recurrent_states_to_keep` trailing tokens to the
 # recurrent rule (none without a cache): under CP (no cache) the layer computes what it did in 5.24. The CP path
 # calls `causal_conv1d_fn` and the rule functions itself, never `causal_conv1d_forward`, so a kernel that
-# `kernels.kernelize` puts in place of that one is not on the CP path (`kernel_problem` checks the others).
+# `kernels.kernelize` puts in place of that one is not on the CP path (`kernelized_layer_problem`: why the others
+# run).
 GATED_DELTANET_FORWARD = {
     "bd25761e1031fff0": "transformers>=5.16,<5.21",
     "43718d6c3e7255e6": "transformers>=5.21,<5.23",
@@ -126,8 +126,9 @@ def _takes_packed_sequences(fn, device: torch.device) -> bool:
     reference rejects packed-sequence arguments, so anything else is treated as torch.
     """
     if isinstance(fn, torch.nn.Module):
-        if "forward" in vars(fn):  # a hub kernel: only the stock signature is known
-            return False
+        bound = vars(fn).get("forward")  # kernelize binds a kernel, or (its fallback) the class's own forward
+        if bound is not None and getattr(bound, "__func__", None) is not type(fn).forward:
+            return False  # a hub kernel: only the stock signature is known
         fn = _closure_value(type(fn).forward, "func")
     while fn is not None:
         if _closure_value(fn, "is_new_implementation") is not None:
