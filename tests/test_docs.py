@@ -26,3 +26,22 @@ def test_every_relative_link_resolves(page):
 
 def test_the_readme_is_a_front_page():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 320
+
+
+def test_the_supported_versions_are_compats():
+    """The README's supported-versions line, the versions page, CI's installs and pyproject's floor name the releases
+    `vlmcp_patch.compat` declares (OLDEST, NEWEST); pyproject has no ceiling."""
+    from vlmcp_patch.compat import NEWEST, OLDEST, TESTED
+
+    readme = (ROOT / "README.md").read_text()
+    assert f"Supported transformers: {OLDEST} to {NEWEST}, tested at both ends" in readme
+    assert f"| transformers {NEWEST}: default and integration tiers |" in readme
+    assert f"| transformers {OLDEST}: the core tests" in readme
+    versions = (ROOT / "docs" / "versions.md").read_text()
+    floor = f"`>={OLDEST.major}.{OLDEST.minor}`"
+    assert f"| transformers | {floor} | CI: the default and integration tiers on {NEWEST}" in versions
+    assert f"`{TESTED}`" in versions
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f'--no-deps "transformers=={NEWEST}"' in ci and f'"transformers=={OLDEST}"' in ci
+    requirement = re.search(r'"transformers([^"]*)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert requirement == f">={OLDEST.major}.{OLDEST.minor}"

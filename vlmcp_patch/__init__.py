@@ -58,8 +58,12 @@ PATCHES.add(
 
 
 def apply() -> None:
-    """Install every patch (a no-op when they are installed). Raises `PatchTargetError` on drift."""
+    """Install every patch that verifies (a no-op when they are installed); never raises on a changed target: its
+    family stays stock and refuses CP, and one `UntestedVersionWarning` names each such target."""
+    if PATCHES.active:
+        return
     PATCHES.apply()
+    warn_if_untested(unverified=dict(PATCHES.unverified))
 
 
 def revert() -> None:
@@ -86,7 +90,6 @@ def __getattr__(name: str):
 
 if not env_flag("VLMCP_DISABLE"):
     apply()
-    warn_if_untested()
 
 __all__ = [
     "VLMCPCallback",

@@ -4,7 +4,9 @@ There is no blanket version refusal: what decides whether the package can run is
 target still verifies (`patching.py`: the parameters each patch relies on, and the pinned source digests
 of the code it re-implements, declared with the versions they were checked on). Below the oldest tested
 release the models lack what the package builds on (`mm_token_type_ids`, the vision tables), so it
-refuses; a newer, untested release imports with one warning when every target still verifies.
+refuses. A newer, untested release never raises at import: it imports with one warning — naming each target
+that did not verify and the newest release checked, when some did not (their families stay stock and refuse
+CP, `forward/unverified.py`), or saying that every target still verifies.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from packaging.version import Version
 from .errors import UnsupportedSetupError
 
 OLDEST = Version("5.16.0")  # the oldest release CI runs on
-NEWEST = Version("5.24.0")  # the newest release CI runs on
+NEWEST = Version("5.25.0")  # the newest release CI runs on
 TESTED = f">={OLDEST.major}.{OLDEST.minor},<{NEWEST.major}.{NEWEST.minor + 1}"
 
 
@@ -38,9 +40,21 @@ def is_untested(version: str = transformers.__version__) -> bool:
     return Version(version).release[:2] > NEWEST.release[:2]
 
 
-def warn_if_untested(version: str = transformers.__version__) -> None:
-    """One warning for a transformers newer than the tested releases, once its patch targets verified."""
-    if is_untested(version):
+def warn_if_untested(version: str = transformers.__version__, unverified: dict | None = None) -> None:
+    """One warning for a transformers newer than the tested releases, or one whose patch targets did not all
+    verify (`unverified`: target -> (family, why), from `PatchSet.unverified`)."""
+    if unverified:
+        families = ", ".join(sorted({family or "every family" for family, _ in unverified.values()}))
+        warnings.warn(
+            f"vlmcp-patch: with transformers {version}, these patch targets did not verify: "
+            f"{', '.join(unverified)}; the newest release vlmcp-patch was checked on is transformers {NEWEST}. "
+            f"The models of their families ({families}) "
+            "are left stock: with CP off they run exactly as stock, under CP their first forward raises. "
+            "Everything else is patched.",
+            UntestedVersionWarning,
+            stacklevel=3,
+        )
+    elif is_untested(version):
         warnings.warn(
             f"vlmcp-patch was tested on transformers {TESTED}; transformers {version} is newer. Every patch target "
             "still verifies (signatures and pinned sources), so the patches are installed; report any difference "

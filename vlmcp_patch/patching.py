@@ -3,10 +3,15 @@
 Each record names its dotted target, what replaces it and why. Before anything is changed, every target is
 resolved and checked against the installed packages: a missing attribute, a signature without the
 parameters the replacement relies on, or (for code we mirror or rescale) an upstream source whose digest
-is none of the pinned ones raises `PatchTargetError` naming the target and the version. A version
+is none of the pinned ones is a `PatchTargetError` naming the target and the version. A version
 difference lives here, in the record: the spellings a parameter has had (`expects`), and one pinned digest
 per upstream source with the versions it was checked on (`mirrors`). Applying twice is a no-op; `revert()`
 puts the exact original objects back.
+
+A core target that does not verify (a transformers release newer than the checked ones) never stops the
+import: it is recorded in `PatchSet.unverified`, and the family it belongs to (`Patch.family`; None: every
+family) is left stock — none of its patches is installed, only the `guard` its top-level forwards declare,
+which calls stock with CP off and refuses under CP (`forward/unverified.py`). The other families are patched.
 
 Patches of the optional stacks (TRL, DeepSpeed, Accelerate) are installed when their package is imported.
 One whose target no longer verifies is refused alone — the rest of the package works — and the
@@ -104,6 +109,8 @@ class Patch:
     mirrors: Mapping[str, str] | None = None
     requires: str | None = None
     since: str | None = None  # e.g. "transformers>=5.20": a target the older supported releases do not have
+    family: str | None = None  # the model family this patch serves (None: shared by every family)
+    guard: Callable | None = None  # installed instead (unchecked) when this patch's family did not verify
 
     @property
     def checked_on(self) -> str | None:
@@ -126,6 +133,18 @@ class Patch:
                 f"{digest}) is none of those vlmcp-patch was checked on "
                 f"({self.checked_on}); upgrade vlmcp-patch or install one of those versions"
             )
+
+    def guarded(self) -> Patch | None:
+        """The record that installs `guard` on this target (no parameters or digest relied on), or None when
+        there is no guard or the target is gone."""
+        if self.guard is None:
+            return None
+        try:
+            resolve(self.target)
+        except PatchTargetError:
+            return None
+        return Patch(target=self.target, wrapper=self.guard, reason="refuses CP: a target of this family did not "
+                     "verify (with CP off it calls stock)", family=self.family)
 
     def apply(self) -> Callable[[], None]:
         parent, name, current = resolve(self.target)
@@ -262,13 +281,15 @@ class PatchSet:
 
     Patches of optional packages (`requires`) are installed when that package is imported — at once
     if it already is, otherwise by a wrapt post-import hook — so importing vlmcp_patch never imports
-    DeepSpeed or Accelerate itself. The core patches (transformers) are all-or-nothing: one target that
-    does not verify raises and nothing is patched. An optional package's patches are checked one by one:
+    DeepSpeed or Accelerate itself. The core patches (transformers) are all-or-nothing per family: one
+    target that does not verify leaves its family stock (`unverified`; its top-level forwards guarded) and
+    never raises. An optional package's patches are checked one by one:
     one that does not verify is refused (`refused`) and the others install.
     """
 
     patches: list = field(default_factory=list)
     refused: dict = field(default_factory=dict)  # target -> (package, why) of optional patches that did not verify
+    unverified: dict = field(default_factory=dict)  # target -> (family or None, why): core targets not verified
     _undo: dict = field(default_factory=dict)  # target -> undo function of the installed patches
     _active: bool = False
     _hooked: set = field(default_factory=set)
@@ -289,11 +310,31 @@ class PatchSet:
                 self.patches.append(patch)
 
     def _install(self, patches: list) -> None:
+        """Check every core patch before changing anything; install those of the families whose targets all
+        verified, and the guards of the others (see the module docstring)."""
         patches = [p for p in patches if applies_here(p)]
-        for patch in patches:  # check everything before changing anything
-            patch.check()
         for patch in patches:
+            try:
+                patch.check()
+            except PatchTargetError as exc:
+                self.unverified[patch.target] = (getattr(patch, "family", None), str(exc))
+        blocked = {family for family, _ in self.unverified.values()}
+        for patch in patches:
+            family = getattr(patch, "family", None)
+            if patch.target in self.unverified or (family is not None and blocked & {None, family}):
+                patch = patch.guarded() if isinstance(patch, Patch) else None
+                if patch is None:
+                    continue
+                try:
+                    self._undo[patch.target] = patch.apply()
+                except PatchTargetError:  # not even a plain method any more: nothing to guard, stock stays
+                    pass
+                continue
             self._undo[patch.target] = patch.apply()
+
+    def unverified_for(self, family: str) -> list[tuple[str, str]]:
+        """(target, why) of each core target that did not verify and that `family` needs (its own, and shared)."""
+        return [(t, why) for t, (fam, why) in self.unverified.items() if fam in (None, family)]
 
     def _install_optional(self, package: str) -> None:
         for patch in self.patches:
@@ -340,11 +381,22 @@ class PatchSet:
         for target in reversed(list(self._undo)):
             self._undo.pop(target)()
         self.refused.clear()
+        self.unverified.clear()
         self._active = False
 
     def refusals(self, package: str) -> list[str]:
         """Why the patches of `package` that did not verify were refused (empty when all installed)."""
         return [why for pkg, why in self.refused.values() if pkg == package or pkg.startswith(f"{package}.")]
+
+    def _why_not_installed(self, patch) -> str | None:
+        """The refusal of an optional patch, the check failure of a core one, or why its family was left stock."""
+        if patch.target in self.refused:
+            return self.refused[patch.target][1]
+        if patch.target in self.unverified:
+            return self.unverified[patch.target][1]
+        family = getattr(patch, "family", None)
+        blocked = [t for t, (fam, _) in self.unverified.items() if family is not None and fam in (None, family)]
+        return f"left stock with its family: {', '.join(blocked)} did not verify" if blocked else None
 
     def status(self) -> list[dict]:
         return [
@@ -352,7 +404,7 @@ class PatchSet:
                 "target": p.target,
                 "reason": p.reason,
                 "applied": p.target in self._undo,
-                "refused": self.refused.get(p.target, (None, None))[1],
+                "refused": self._why_not_installed(p),
                 "requires": _package(p),
                 "mirrors": dict(getattr(p, "mirrors", None) or {}) or None,
                 "checked_on": getattr(p, "checked_on", None),

@@ -50,7 +50,8 @@ def kernels() -> list[str]:
 def patches(status: list[dict]) -> list[str]:
     lines = []
     for entry in status:
-        state = "installed" if entry["applied"] else "REFUSED" if entry["refused"] else (
+        state = ("GUARD ONLY (stock; CP refused)" if entry["refused"] else "installed") if entry["applied"] else (
+            "REFUSED" if entry["refused"] else None) or (
             f"for {entry['since']} only" if not entry["applies_here"] else
             f"waiting for `import {entry['requires']}`" if entry["requires"] else "not installed")
         pins = ", ".join(f"{digest} on {versions}" for digest, versions in (entry["mirrors"] or {}).items())

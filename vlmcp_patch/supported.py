@@ -10,7 +10,8 @@ included: their inherited forward is the patched one.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,10 @@ class Family:
     text_model: str  # the text decoder, cut to this rank's slice
     multimodal_model: str | None = None  # holds the vision tower and places its features (None: text only)
     vision_model: str | None = None
+    # What this family cannot run on the package's path (under CP, a packed row at P=1) that only it knows of (e.g.
+    # layers `kernels.kernelize` replaced): the model -> a message saying how to run it, or None. Checked with the
+    # batch, before compute, on every rank.
+    cp_check: Callable | None = field(default=None, compare=False)
 
     @property
     def module(self) -> str:
@@ -52,6 +57,11 @@ def supported_class_names() -> list[str]:
 
 def supported_classes() -> tuple[type, ...]:
     return tuple(cls for family in FAMILIES for cls in family.classes())
+
+
+def family_of(model) -> Family | None:
+    """The registered family whose top-level classes `model` is an instance of (None: not a supported model)."""
+    return next((f for f in FAMILIES if isinstance(model, tuple(f.classes()))), None)
 
 
 def find_supported_model(model):

@@ -40,6 +40,7 @@ from ..errors import CPInputError, UnsupportedSetupError
 from ..layout import Segment, starts_of, ulysses_degree
 from ..loss import IGNORE_INDEX, shifted_labels
 from ..settings import cp_size
+from ..supported import family_of
 from .arguments import batch_reference, given_cache, has_vision
 from .positions import per_sample_mrope, stock_positions
 
@@ -129,8 +130,27 @@ def ulysses_of(text_config, size: int) -> int:
     return ulysses_degree(size, heads)
 
 
+def family_problem(model) -> Problem | None:
+    """What the model's family cannot run on the package's path (under CP, or a packed row at P=1): a target of it
+    that did not verify on this transformers (the family is stock), and the family's own check (`Family.cp_check`)."""
+    from .unverified import unverified_problem  # it builds on this module
+
+    family = family_of(model)
+    if family is None:
+        return None
+    problem = unverified_problem(family.name)
+    if problem is None and family.cp_check is not None:
+        message = family.cp_check(model)
+        problem = None if message is None else Problem(UnsupportedSetupError, message)
+    return problem
+
+
 def setup_problem(model, cp: CPGroup, call: dict) -> Problem | None:
-    """The model and the call's options against CP (attention, heads, cache, logits_to_keep, router loss)."""
+    """The model and the call's options against CP (its family, attention, heads, cache, logits_to_keep, router
+    loss)."""
+    problem = family_problem(model)
+    if problem is not None:
+        return problem
     text_config = model.config.get_text_config()
     try:
         check_model_config(text_config, cp.size)

@@ -141,18 +141,21 @@ def patches() -> list[Patch]:
                 reason="data-parallel replicas without images (or videos) run a zero-weight placeholder vision pass "
                 "where another replica has them, so weight gathers and gradient reductions stay matched",
                 expects=("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"),
+                family=family.name,
             ),
             Patch(
                 target=target("get_placeholder_mask"),
                 wrapper=placeholder_unchecked_mask,
                 reason="vision placeholder: its features match no token of the sequence by design",
                 expects=("input_ids", "inputs_embeds", "image_features", "video_features"),
+                family=family.name,
             ),
             Patch(
                 target=target("compute_3d_position_ids"),
                 wrapper=placeholder_free_positions,
                 reason="vision placeholder: its grid must not enter the mRoPE positions",
                 expects=("image_grid_thw", "video_grid_thw"),
+                family=family.name,
             ),
         ]
     return out

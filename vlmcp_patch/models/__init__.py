@@ -9,7 +9,8 @@ Adding a family means adding one module here:
 2. return its patches from `patches()`: `base.family_patches(family, text_model_params, cut_family_inputs)` gives
    the top-level forward, the text decoder (cutting the family's own per-token inputs with `cut_family_inputs`)
    and the vision tower; add the patches of any layer the family re-implements under CP, each with the pinned
-   digest of the upstream source and the releases it was checked on;
+   digest of the upstream source and the releases it was checked on, and `family=` the family's name (a target
+   that does not verify on a newer release then leaves that family stock, guarded, and no other);
 3. list the module in `FAMILY_MODULES` below, and give it tiny configs in `vlmcp_patch.fixtures.models` and
    cases in `tests/helpers/cases.py`.
 """

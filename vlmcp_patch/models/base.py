@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..forward.arguments import CACHE_KEYWORDS
 from ..forward.decoder import text_model_forward
 from ..forward.top_level import cp_top_level_forward
+from ..forward.unverified import unverified_guard
 from ..forward.vision import cp_image_features, cp_video_features
 from ..patching import Patch, source_digest
 from ..supported import Family
@@ -36,6 +37,8 @@ def family_patches(family: Family, text_params: tuple, image_features: ImageFeat
             "row and cut it to this rank's slice, run the backbone on the slice, then the chunked loss or gathered "
             "logits",
             expects=TOP_LEVEL_PARAMS,
+            family=family.name,
+            guard=unverified_guard(family.name),
         )
         for cls in family.top_level
     ]
@@ -45,6 +48,7 @@ def family_patches(family: Family, text_params: tuple, image_features: ImageFeat
             wrapper=text_model_forward,
             reason="under CP: run the decoder layers on this rank's slice, the CP context handed down to them",
             expects=text_params,
+            family=family.name,
         )
     )
     if family.multimodal_model is not None and image_features is not None:
@@ -70,11 +74,13 @@ def _vision_patches(family: Family, image_features: ImageFeatures) -> list[Patch
             "the rank whose slice holds its placeholder token (vision data parallelism, VLMCP_VISION_DP)",
             expects=("pixel_values", "image_grid_thw"),
             mirrors=image_features.digests,
+            family=family.name,
         ),
         Patch(
             target=family.target(family.multimodal_model, "get_video_features"),
             wrapper=cp_video_features,
             reason="under CP: get_video_features hands the videos to get_image_features; mark them as videos",
             expects=("pixel_values_videos", "video_grid_thw"),
+            family=family.name,
         ),
     ]

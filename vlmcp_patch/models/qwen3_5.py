@@ -19,6 +19,7 @@ kernels are used when transformers selected them, and its pure-torch fallback ot
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from dataclasses import dataclass
 
@@ -34,14 +35,50 @@ from ..supported import Family, register
 from .base import ImageFeatures, family_patches
 from .deltanet_ring import conv_over_ring, delta_rule_over_ring
 
+
+def _deltanet_class(family: Family) -> type:
+    prefix = family.text_model.removesuffix("TextModel")
+    return getattr(importlib.import_module(family.module), f"{prefix}GatedDeltaNet")
+
+
+def kernelized_layer_problem(model) -> str | None:
+    """On the package's path (under CP, a packed row at P=1), a DeltaNet layer whose forward was replaced on the
+    module itself, the way `kernels.kernelize` installs a hub kernel (`module.forward = MethodType(kernel.forward,
+    module)`): that forward would bypass the class's (patched) forward and run the layer on this rank's slice alone,
+    through the samples of a packed row. Refused, saying how to run. With CP off an ordinary batch never gets here:
+    the kernel runs as on stock.
+
+    kernelize's own fallback binds the class's forward as it is then: with the package applied that is the CP
+    path, so it passes. The functions kernelize may replace (`causal_conv1d_fn`, the delta-rule functions) keep
+    their stock signatures and are called by the CP path itself per sample (or with packed-sequence arguments
+    where they are transformers' kernel wrappers): they run exactly. `causal_conv1d_forward` (5.25+) is not on
+    the CP path at all.
+    """
+    classes = tuple(_deltanet_class(family) for family in FAMILIES)
+    for name, module in model.named_modules():
+        bound = vars(module).get("forward") if isinstance(module, classes) else None
+        if bound is not None and getattr(bound, "__func__", None) is not type(module).forward:
+            return (
+                f"the gated DeltaNet layer {name} ({type(module).__name__}) runs a forward replaced on the module "
+                f"({getattr(bound, '__qualname__', bound)}), as `kernels.kernelize` installs a hub kernel "
+                "(`model.kernelize()`, `from_pretrained(..., use_kernels=True)`); under CP it would run on this "
+                "rank's slice of the row alone, and at P=1 through the samples of a packed row. To run CP or packed "
+                "rows, don't kernelize the model (the package's path uses the "
+                "flash-linear-attention and causal-conv1d kernels by itself where they are installed), or give "
+                "kernelize a `KernelConfig` / mapping without `Qwen3_5GatedDeltaNet`, or restore the class's "
+                "forward with `del layer.forward` on each such layer; or set VLMCP_CP_SIZE=1."
+            )
+    return None
+
+
 FAMILIES = register(
     Family(
         "qwen3_5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"), "Qwen3_5TextModel", "Qwen3_5Model",
-        "Qwen3_5VisionModel",
+        "Qwen3_5VisionModel", cp_check=kernelized_layer_problem,
     ),
     Family(
         "qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), "Qwen3_5MoeTextModel",
-        "Qwen3_5MoeModel", "Qwen3_5MoeVisionModel",
+        "Qwen3_5MoeModel", "Qwen3_5MoeVisionModel", cp_check=kernelized_layer_problem,
     ),
 )
 TEXT_MODEL_PARAMS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "use_cache")
@@ -49,12 +86,18 @@ TEXT_MODEL_PARAMS = ("input_ids", "inputs_embeds", "position_ids", "attention_ma
 # the MoE module), with the releases each was checked on. A digest not listed means upstream changed the layer:
 # re-check it. Between them only the cache handling (not used under CP) differs, and where q and k are repeated
 # to the value heads: in the layer's forward before the delta rule up to 5.22, inside the rule functions from
-# 5.23 (grouped value attention).
+# 5.23 (grouped value attention). 5.25 moved the conv into a module-level `causal_conv1d_forward` (the same conv
+# without a cache) and lets the chunked rule leave `cache.get_recurrent_states_to_keep` trailing tokens to the
+# recurrent rule (none without a cache): under CP (no cache) the layer computes what it did in 5.24. The CP path
+# calls `causal_conv1d_fn` and the rule functions itself, never `causal_conv1d_forward`, so a kernel that
+# `kernels.kernelize` puts in place of that one is not on the CP path (`kernelized_layer_problem`: why the others
+# run).
 GATED_DELTANET_FORWARD = {
     "bd25761e1031fff0": "transformers>=5.16,<5.21",
     "43718d6c3e7255e6": "transformers>=5.21,<5.23",
     "8f31ae7d35daf534": "transformers>=5.23,<5.24",
     "08cf65a63ca582a2": "transformers>=5.24,<5.25",
+    "a43ffe9ab7f49c75": "transformers>=5.25,<5.26",
 }
 FORWARD_REPEATS_KEY_HEADS = {"bd25761e1031fff0", "43718d6c3e7255e6"}
 # Digests of the upstream Qwen3_5Model.get_image_features (the same in the MoE module) that the CP path replaces
@@ -62,20 +105,36 @@ FORWARD_REPEATS_KEY_HEADS = {"bd25761e1031fff0", "43718d6c3e7255e6"}
 IMAGE_FEATURES = ImageFeatures(digests={
     "6727c329a5f160b1": "transformers>=5.16,<5.18",
     "f025aaaa71a69cd7": "transformers>=5.18,<5.23",
-    "70b336d6aa3c2cfd": "transformers>=5.23,<5.25",
+    "70b336d6aa3c2cfd": "transformers>=5.23,<5.26",
 })
 
 
-def _takes_packed_sequences(fn) -> bool:
-    """Whether transformers resolved `fn` to an optimized kernel (which accepts cu_seqlens / seq_idx).
+def _closure_value(fn, name: str, default=None):
+    code = getattr(fn, "__code__", None)
+    if code is None or name not in code.co_freevars:
+        return default
+    return fn.__closure__[code.co_freevars.index(name)].cell_contents
 
-    transformers' fallback wrapper keeps that decision in a closure variable; the pure-torch
-    reference implementation rejects packed-sequence arguments, so anything else is treated as torch.
+
+def _takes_packed_sequences(fn, device: torch.device) -> bool:
+    """Whether transformers resolved `fn` to an optimized kernel that accepts cu_seqlens / seq_idx on `device`.
+
+    transformers' fallback wrapper keeps that decision in closure variables (`is_new_implementation`; from 5.25
+    also `supported_devices`: a kernel package's devices, others taking the torch path). With `kernels` installed
+    the wrapper is the `forward` of a function module (`use_kernel_forward_from_hub` on a function); one whose
+    forward `kernelize` replaced by a hub kernel is called per sample, with the stock signature. The pure-torch
+    reference rejects packed-sequence arguments, so anything else is treated as torch.
     """
+    if isinstance(fn, torch.nn.Module):
+        bound = vars(fn).get("forward")  # kernelize binds a kernel, or (its fallback) the class's own forward
+        if bound is not None and getattr(bound, "__func__", None) is not type(fn).forward:
+            return False  # a hub kernel: only the stock signature is known
+        fn = _closure_value(type(fn).forward, "func")
     while fn is not None:
-        code = getattr(fn, "__code__", None)
-        if code is not None and "is_new_implementation" in code.co_freevars:
-            return bool(fn.__closure__[code.co_freevars.index("is_new_implementation")].cell_contents)
+        if _closure_value(fn, "is_new_implementation") is not None:
+            devices = _closure_value(fn, "supported_devices")
+            on_device = devices is None or device.type in devices
+            return bool(_closure_value(fn, "is_new_implementation")) and on_device
         fn = getattr(fn, "__wrapped__", None)
     return False
 
@@ -178,7 +237,7 @@ def _causal_conv(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
     """The depthwise causal conv on this rank's channels over the whole row, reset at every sample."""
     mixed, weight, bias = _conv_inputs(layer, q, k, v, share)
     conv = modeling.causal_conv1d_fn
-    if _takes_packed_sequences(conv):
+    if _takes_packed_sequences(conv, mixed.device):
         mixed = conv(mixed, weight, bias, activation=layer.activation, seq_idx=_segment_ids(ctx, mixed.device))
     else:
         mixed = _per_sample(conv, ctx, 2, mixed, weight=weight, bias=bias, activation=layer.activation)
@@ -224,7 +283,7 @@ def _delta_rule(modeling, layer, q, k, v, g, beta, ctx: CPContext) -> torch.Tens
     q, k = _keys_for_rule(layer, q, k, v)
     rule = modeling.torch_chunk_gated_delta_rule
     options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
-    if _takes_packed_sequences(rule):
+    if _takes_packed_sequences(rule, q.device):
         return rule(q, k, v, g=g, beta=beta, cu_seqlens=ctx.cu_seqlens(q.device).long(), **options)[0]
     return _per_sample(lambda *t: rule(*t[:3], g=t[3], beta=t[4], **options), ctx, BSHD.seq, q, k, v, g, beta)
 
@@ -273,6 +332,7 @@ def patches() -> list[Patch]:
                 "see the whole sequence (reset per packed sample) for this rank's heads",
                 expects=("hidden_states", ("cache_params", "cache"), "attention_mask"),
                 mirrors=GATED_DELTANET_FORWARD,
+                family=family.name,
             )
         )
     return out

@@ -27,7 +27,7 @@ IMAGE_FEATURES = ImageFeatures(
     digests={
         "357792d495a52163": "transformers>=5.16,<5.18",
         "7cfd1145855212c0": "transformers>=5.18,<5.23",
-        "cff98fb9fd0127c7": "transformers>=5.23,<5.25",
+        "cff98fb9fd0127c7": "transformers>=5.23,<5.26",
     },
     deepstack_per_item=frozenset({"7cfd1145855212c0", "cff98fb9fd0127c7"}),
 )

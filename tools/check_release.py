@@ -1,0 +1,159 @@
+"""Check a transformers release against the package's patch records, without installing it.
+
+    python tools/check_release.py 5.26.0 [--wheels DIR] [--against 5.25.0]
+
+Downloads the release's wheel (`pip download --no-deps`, into `--wheels`, default ~/.cache/vlmcp-patch/wheels) and,
+for every patch target in transformers, reads the target's source from the wheel and checks what the import checks
+(`patching.Patch.check`): that it exists, that its signature has the parameters the patch relies on, and — for code
+the package re-implements — that its source digest is one of those pinned. For each target that changed it prints
+what changed and a unified diff of its source against the newest release checked (`compat.NEWEST`, or
+`--against`). Exit status: 0 when every target verifies, 1 otherwise.
+
+Adding a release (docs/versions.md): run this, adapt the family module where a target changed, pin the new digest
+with the release it was checked on, run the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import hashlib
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def patch_records(version: str) -> list:
+    """The package's patch records of transformers targets that apply to `version` (`Patch.since`). The package is
+    imported with VLMCP_DISABLE=1 (the records only: nothing is patched) unless it already was; the variable is put
+    back, so the processes a caller starts later see the environment it had."""
+    previous = os.environ.get("VLMCP_DISABLE")
+    os.environ["VLMCP_DISABLE"] = "1"
+    try:
+        import vlmcp_patch
+        from vlmcp_patch.patching import Patch
+    finally:
+        if previous is None:
+            os.environ.pop("VLMCP_DISABLE")
+        else:
+            os.environ["VLMCP_DISABLE"] = previous
+    return [p for p in vlmcp_patch.PATCHES.patches if isinstance(p, Patch) and p.target.startswith("transformers.")
+            and (p.since is None or Requirement(p.since).specifier.contains(version, prereleases=True))]
+
+
+def newest_checked() -> str:
+    from vlmcp_patch.compat import NEWEST
+
+    return str(NEWEST)
+
+
+def wheel(version: str, directory: Path) -> Path:
+    """The transformers wheel of `version` in `directory`, downloaded once (no install, no dependencies)."""
+    found = sorted(directory.glob(f"transformers-{version}-*.whl"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+                        f"transformers=={version}", "-d", str(directory)], check=True)
+        found = sorted(directory.glob(f"transformers-{version}-*.whl"))
+    return found[0]
+
+
+class Release:
+    """The source files of one transformers wheel, read on demand."""
+
+    def __init__(self, path: Path):
+        self.zip = zipfile.ZipFile(path)
+        self.names = set(self.zip.namelist())
+        self._trees: dict[str, tuple[list[str], ast.Module]] = {}
+
+    def module(self, dotted: str) -> tuple[list[str], ast.Module] | None:
+        name = dotted.replace(".", "/") + ".py"
+        if name not in self.names:
+            return None
+        if name not in self._trees:
+            text = self.zip.read(name).decode()
+            self._trees[name] = (text.splitlines(keepends=True), ast.parse(text))
+        return self._trees[name]
+
+    def definition(self, target: str) -> tuple[str | None, ast.AST | None, str]:
+        """(source as `inspect.getsource` gives it, its ast node, where) of a dotted target; None when absent."""
+        parts = target.split(".")
+        for split in range(len(parts) - 1, 0, -1):
+            found = self.module(".".join(parts[:split]))
+            if found is None:
+                continue
+            lines, node = found
+            for name in parts[split:]:
+                body = getattr(node, "body", [])
+                node = next((n for n in body if getattr(n, "name", None) == name), None)
+                if node is None:
+                    return None, None, f"{name} is not defined in {'.'.join(parts[:split])}"
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return None, node, "not a function"
+            start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            return "".join(lines[start - 1 : node.end_lineno]), node, f"{'/'.join(parts[:split])}.py:{start}"
+        return None, None, "module not in the wheel"
+
+
+def digest(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def parameters(node: ast.AST) -> set[str]:
+    args = node.args
+    return {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
+
+
+def check(patch, new: Release) -> list[str]:
+    """What no longer verifies for `patch` in the release `new` (empty: it verifies)."""
+    source, node, where = new.definition(patch.target)
+    if node is None or source is None:
+        return [f"missing: {where}"]
+    problems = []
+    params = parameters(node)
+    gone = [p for p in patch.expects if not any(s in params for s in ((p,) if isinstance(p, str) else p))]
+    if gone:
+        problems.append(f"no longer takes {gone} ({where})")
+    if patch.mirrors is not None and digest(source) not in patch.mirrors:
+        problems.append(f"source changed: digest {digest(source)} is none of the pinned ({patch.checked_on}) ({where})")
+    return problems
+
+
+def diff(target: str, old: Release, new: Release, old_version: str, new_version: str) -> str:
+    before, after = old.definition(target)[0] or "", new.definition(target)[0] or ""
+    return "".join(difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+                                        f"{target} ({old_version})", f"{target} ({new_version})"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("version")
+    parser.add_argument("--against", help="the release to diff against (default: the newest checked)")
+    parser.add_argument("--wheels", type=Path, default=Path.home() / ".cache" / "vlmcp-patch" / "wheels")
+    args = parser.parse_args(argv)
+    args.wheels.mkdir(parents=True, exist_ok=True)
+    new = Release(wheel(args.version, args.wheels))
+    records = patch_records(args.version)
+    args.against = args.against or newest_checked()
+    changed = {p.target: check(p, new) for p in records}
+    changed = {target: problems for target, problems in changed.items() if problems}
+    print(f"transformers {args.version}: {len(records) - len(changed)} of {len(records)} patch targets verify")
+    if not changed:
+        return 0
+    old = Release(wheel(args.against, args.wheels))
+    for target, problems in changed.items():
+        print(f"\nCHANGED {target}")
+        for problem in problems:
+            print(f"  {problem}")
+        print(diff(target, old, new, args.against, args.version) or "  (the same source as in the release diffed)")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
