@@ -4,7 +4,6 @@ and how vision items are spread over the ranks. No torch.distributed, no model: 
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,19 +69,36 @@ def split_into_units(costs: Sequence[int], frames: Sequence[int], size: int) -> 
     return units
 
 
-def assign_to_ranks(costs: Sequence[int], size: int) -> list[int]:
-    """Rank of each unit: longest first, each to the least loaded rank (ties: the lowest rank).
+def contiguous_ranks(costs: Sequence[int], size: int) -> list[int]:
+    """Rank of each unit, in runs: rank 0 takes the first units, rank 1 the next, ... (ranks never decrease), with
+    the busiest rank as light as any split into `size` contiguous runs allows.
 
-    Deterministic from the costs alone, so every rank computes the same assignment without communicating.
-    The greedy bound: the busiest rank carries at most (4/3 - 1/(3P)) x the optimum (Graham's LPT).
+    Contiguous runs let a rank read its share of the pixel rows as one range (a view where no copy is needed).
+    The bottleneck is found by bisection, each candidate filled greedily; deterministic from the costs alone, so
+    every rank computes the same assignment without communicating. Bound: the busiest rank carries at most
+    total / size + max(costs) (a greedy fill at that bottleneck closes each run above total / size).
     """
-    ranks = [0] * len(costs)
-    loads = [(0, r) for r in range(size)]
-    heapq.heapify(loads)
-    for unit in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, rank = heapq.heappop(loads)
-        ranks[unit] = rank
-        heapq.heappush(loads, (load + costs[unit], rank))
+    if not costs:
+        return []
+
+    def runs_needed(bottleneck: int) -> int:
+        runs, load = 1, 0
+        for cost in costs:
+            if load + cost > bottleneck:
+                runs, load = runs + 1, 0
+            load += cost
+        return runs
+
+    low, high = max(costs), sum(costs)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if runs_needed(middle) <= size else (middle + 1, high)
+    ranks, rank, load = [], 0, 0
+    for cost in costs:
+        if load + cost > low:
+            rank, load = rank + 1, 0
+        ranks.append(rank)
+        load += cost
     return ranks
 
 

@@ -10,15 +10,18 @@ ids and embeddings the backbone was given (`slicing.cut_to_slice`). Three steps:
    without communicating):
    * **by items** (`encode_items`), when they balance: whole images and videos, or the temporal patch groups
      of an item larger than one rank's fair share (the tower attends within each group, so they encode
-     independently), assigned longest first to the least loaded rank; each rank runs the stock tower on its
-     units (patch embedding, blocks, merger, deepstack mergers);
+     independently), in contiguous runs — rank 0 the first units, rank 1 the next, ... — as evenly as contiguous
+     runs allow (`layout.contiguous_ranks`); each rank runs the stock tower on its units (patch embedding, blocks,
+     merger, deepstack mergers);
    * **by patches** (`encode_patch_slices`), when items cannot balance (fewer images than ranks, one image
      larger than a rank's share): the patches of all items are cut into P equal contiguous slices (whole merged
      tokens each) and every vision attention exchanges sequence for heads (the Ulysses exchange of the decoder,
      non-causal, within each image's attention segments), so even a single large image scales with P;
    * with vision data parallelism off (`VLMCP_VISION_DP=0`), every rank encodes every item.
-2. **pixels** — a rank copies only its share of the pixel rows to the tower's device, cast once to the
-   tower's dtype; the caller's pixel values may stay on the host (`placement.py`).
+2. **pixels** (`pixel_share`) — either way a rank's share is one contiguous range of pixel rows. It is a view
+   when the pixels already have the tower's device and dtype (the caller keeps them alive anyway, so a copy
+   would only add memory: the patch embedding saves its input for backward), and a copy of that range only when
+   they come from the host (`placement.py`) or need a cast.
 3. **route** (`route_to_owners`) — one all-to-all with uneven splits sends each merged token's features (merged
    and every deepstack level side by side) to the rank that holds its placeholder token. Its backward is the
    reverse exchange: each rank back-propagates the complete gradient of the features it encoded, and the vision
@@ -40,7 +43,7 @@ from ..collectives import exchange_rows
 from ..context import CTX_KWARG, CPContext, current_cp_forward
 from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
-from ..layout import assign_to_ranks, round_up, segments_from_lengths, shard_slice, split_into_units
+from ..layout import contiguous_ranks, round_up, segments_from_lengths, shard_slice, split_into_units
 from ..settings import SETTINGS
 from ..stats import STATS
 from .arguments import call_arguments
@@ -62,7 +65,8 @@ def placeholder_vision_inputs(vision_config, device, dtype) -> tuple[torch.Tenso
 
 @dataclass(frozen=True)
 class VisionShare:
-    """The vision units of one forward (whole items, or temporal patch groups) and the rank each is encoded on."""
+    """The vision units of one forward (whole items, or temporal patch groups) and the rank each is encoded on:
+    contiguous runs, so each rank's units are one range of patch rows."""
 
     units: list[tuple[int, int, int, int, int]]  # (first patch, patches, frames, height, width), in order
     ranks: list[int]
@@ -77,7 +81,7 @@ class VisionShare:
         for item, first, frames in split_into_units(costs, [t for t, _, _ in grid], size):
             _, h, w = grid[item]
             units.append((offsets[item] + first * h * w, frames * h * w, frames, h, w))
-        return cls(units, assign_to_ranks([u[1] for u in units], size), merge * merge, size)
+        return cls(units, contiguous_ranks([u[1] for u in units], size), merge * merge, size)
 
     def mine(self, rank: int) -> list[int]:
         return [i for i, r in enumerate(self.ranks) if r == rank]
@@ -92,9 +96,13 @@ class VisionShare:
         loads = self.patches_per_rank()
         return max(loads) * self.size <= BALANCED * sum(loads)
 
-    def local_patches(self, rank: int, device) -> torch.Tensor:
-        spans = [torch.arange(self.units[i][0], self.units[i][0] + self.units[i][1]) for i in self.mine(rank)]
-        return torch.cat(spans).to(device)
+    def patch_rows(self, rank: int) -> slice:
+        """The pixel rows of rank `rank`'s units: one contiguous range (empty when it has none)."""
+        mine = self.mine(rank)
+        if not mine:
+            return slice(0, 0)
+        first, (start, patches, *_) = self.units[mine[0]][0], self.units[mine[-1]]
+        return slice(first, start + patches)
 
     def local_grid(self, rank: int, device) -> torch.Tensor:
         return torch.tensor([self.units[i][2:] for i in self.mine(rank)], device=device)
@@ -120,12 +128,21 @@ def _tower_placement(tower) -> dict:
     return {"device": next(tower.parameters()).device, "dtype": tower.dtype}
 
 
+def pixel_share(pixels: torch.Tensor, rows: slice, placement: dict) -> torch.Tensor:
+    """The pixel rows `rows` (patches, width) where and in which dtype the tower computes: a view of the caller's
+    pixels when they are there already, else a copy of those rows only (from the host, or cast).
+
+    A view costs nothing: the caller keeps its pixel batch alive anyway. A copy is saved for backward by the patch
+    embedding, so it is made only where it buys something (the device, the dtype)."""
+    return pixels[rows].to(**placement)
+
+
 def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionShare, cp: CPGroup,
                  kwargs: dict) -> tuple[object, torch.Tensor]:
     """(tower output, joined features) of this rank's whole items and temporal groups (module docstring)."""
     placement = _tower_placement(tower)
     if share.mine(cp.rank):
-        local = pixels.index_select(0, share.local_patches(cp.rank, pixels.device)).to(**placement)
+        local = pixel_share(pixels, share.patch_rows(cp.rank), placement)
         out = tower(local, grid_thw=share.local_grid(cp.rank, placement["device"]), **kwargs)
         joined = _joined_features(out)
     else:
@@ -184,8 +201,7 @@ def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, cp: CPG
     local_len = vision_ctx.local_len
     rows = shard_slice(vision_ctx.seq_len, cp.size, cp.rank)
     placement = _tower_placement(tower)
-    # A copy, on CPU too: a view would keep the caller's whole pixel batch alive until backward.
-    real = pixels[rows.start : min(rows.stop, pixels.shape[0])].to(**placement, copy=True)
+    real = pixel_share(pixels, slice(rows.start, min(rows.stop, pixels.shape[0])), placement)
     local = torch.cat([real, real.new_zeros(local_len - real.shape[0], real.shape[1])]) if real.shape[0] < local_len \
         else real
     tables = {k: v.to(placement["device"]) for k, v in _patch_tables(tower, grid, rows).items()}
