@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from .settings import SETTINGS, cp_size
+from .patching import cp_size
+from .settings import SETTINGS
 from .supported import supported_class_names
 
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "trl", "peft")

@@ -39,7 +39,7 @@ from ..distributed import CPGroup
 from ..errors import CPInputError, UnsupportedSetupError
 from ..layout import Segment, starts_of, ulysses_degree
 from ..loss import IGNORE_INDEX, shifted_labels
-from ..settings import cp_size
+from ..patching import cp_size
 from .arguments import batch_reference, given_cache, has_vision
 from .positions import per_sample_mrope, stock_positions
 
