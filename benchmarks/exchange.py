@@ -28,7 +28,7 @@ import torch
 from benchmarks.common import build_benchmark_model
 from tests.helpers.harness import run_distributed
 from vlmcp_patch.fixtures.probes import CollectiveProbe
-from vlmcp_patch.forward.checks import ulysses_of
+from vlmcp_patch.forward.batch import ulysses_of
 from vlmcp_patch.layout import Split, kv_replication_factor
 
 

@@ -50,8 +50,16 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-from benchmarks.common import MIB, MODELS, LiveBytes, ModuleStack, SavedTensors, build_benchmark_model, timed
-from benchmarks.common import real_image_processor
+from benchmarks.common import (
+    MIB,
+    MODELS,
+    LiveBytes,
+    ModuleStack,
+    SavedTensors,
+    build_benchmark_model,
+    real_image_processor,
+    timed,
+)
 from tests.helpers.harness import run_distributed
 from vlmcp_patch.fixtures.data import Segment, make_packed_batch
 
@@ -258,7 +266,8 @@ def peak_table(args) -> None:
           f"{'gradient checkpointing' if args.gradient_checkpointing else 'no checkpointing'}, step {args.step}: "
           f"{reference['tokens']} tokens, {reference['all_patches']} vision patches; loops: {', '.join(args.loops)} "
           "(the first one's peak, R and saved bytes first)")
-    print(f"{'P':>9} {'peak MiB':>9} {'R peak':>7}" + "".join(f" {loop + ' MiB':>11} {'R ' + loop:>8}" for loop in others)
+    other_headers = "".join(f" {loop + ' MiB':>11} {'R ' + loop:>8}" for loop in others)
+    print(f"{'P':>9} {'peak MiB':>9} {'R peak':>7}" + other_headers
           + f" {'saved MiB':>10} {'R saved':>8} {'patches':>8} {'patch ratio':>11} {'tokens/rank':>11} {'step s':>7}")
     if stock is not None:
         print(f"{'1 stock':>9} {stock['peak'] / MIB:>9.1f} {'':>7}" + "".join(f" {'':>11} {'':>8}" for _ in others)

@@ -12,8 +12,8 @@ from vlmcp_patch.collator import pack_into_bins
 from vlmcp_patch.context import CPContext, RowLayout
 from vlmcp_patch.distributed import CPGroup
 from vlmcp_patch.forward.agreement import tensor_fingerprint
-from vlmcp_patch.forward.vision import VisionShare
 from vlmcp_patch.layout import (
+    VisionShare,
     contiguous_ranks,
     kv_replication_factor,
     positions_restarting_at,

@@ -9,6 +9,11 @@ import torch
 # The batch's pixel values. Under CP the training integrations leave them on the host (each rank copies its own
 # share to its device: forward/vision.py, integrations/placement.py).
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+# Each modality's arguments: (modality, pixels, grid, the config's placeholder token id).
+VISION = (("image", "pixel_values", "image_grid_thw", "image_token_id"),
+          ("video", "pixel_values_videos", "video_grid_thw", "video_token_id"))
+# A packed row's sample boundaries for flash-attention, as `DataCollatorWithFlattening` gives them.
+CU_SEQ_LENS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # The spellings of the KV-cache argument across the supported transformers: `cache` from 5.24 (`past_key_values`
 # still accepted there, deprecated), `past_key_values` before.
 CACHE_KEYWORDS = ("past_key_values", "cache")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..distributed import cp_requested, get_cp_group
 from ..errors import UnsupportedSetupError
-from ..forward.checks import check_model_config
+from ..forward.refusals import check_model_config
 from ..patching import PATCHES, cp_size
 from ..supported import find_supported_model, unsupported_model_message
 
