@@ -194,6 +194,8 @@ def _row_positions(found: torch.Tensor, real: torch.Tensor | None) -> torch.Tens
 
 def _vision_shares(model, call: dict, placeholders: dict, size: int) -> dict[str, VisionShare]:
     """How the `size` ranks share each modality's vision work, from its grid alone (`layout.VisionShare.decide`)."""
+    if not placeholders:
+        return {}
     vision = model.config.vision_config
     return {kind: VisionShare.decide(call[grid_key].tolist(), vision.spatial_merge_size, size, vision.num_heads,
                                      SETTINGS.vision_dp)
