@@ -98,25 +98,29 @@ def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False) ->
     """The plan of one forward of `model` on `call` in the CP group `cp` (None: CP off). `always`: take the
     package's path at P=1 even for a batch stock gets right (`token_log_probs`). Never raises for the batch: a
     refusal is part of the plan."""
+    # The path: stock, unless CP is on or this is a packed row stock would get wrong.
     packed = is_packed_row(call)
     if cp is None:
         if not (always or (packed and not stock_gets_packed_row_right(model, call))):
             return ForwardPlan(STOCK)
         cp = SINGLE_RANK
     path = CP if cp.size > 1 else AT_P1
+    text = model.config.get_text_config()
+    ulysses, cumulative = ulysses_of(text, cp.size), cumulative_lengths_mask(call)
+    # The rules, and the row they let through; any refusal becomes the plan.
     try:
         check_setup(model, cp, call)
         shape, placeholders = check_batch(model, call)
         real, segments, positions, positions_from = (_packed_row if packed else _ordinary_batch)(model, call, shape)
     except Rejected as rejected:
         return ForwardPlan(path, cp, refusal=rejected.problem)
-    text = model.config.get_text_config()
+    # What each rank holds: its slice of the row, its vision share.
     return ForwardPlan(
         path, cp, packed=packed, real=real, segments=segments, positions=positions, positions_from=positions_from,
-        split=Split(segments[-1][1] if segments else 0, cp.size, ulysses_of(text, cp.size)),
+        split=Split(segments[-1][1] if segments else 0, cp.size, ulysses),
         vision_tokens={kind: _row_positions(found, real) for kind, found in placeholders.items()},
         vision_shares=_vision_shares(model, call, placeholders, cp.size) if cp.size > 1 else {},
-        cumulative_lengths=call["attention_mask"] if cumulative_lengths_mask(call) else None,
+        cumulative_lengths=call["attention_mask"] if cumulative else None,
         attention=text._attn_implementation,
     )
 
