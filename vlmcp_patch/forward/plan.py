@@ -62,7 +62,7 @@ STOCK, AT_P1, CP = "stock", "the package's path at P=1", "CP"
 BY_CALLER, AS_STOCK, PER_SAMPLE = "the caller", "as stock computes them", "per sample"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity, not element-wise tensor comparison
 class ForwardPlan:
     """One forward's decision (module docstring). Tensors are on the batch's device; `real` (batch, seq) bool marks
     the caller's real tokens (None: every token); `segments` are the samples in row coordinates; `positions` are
