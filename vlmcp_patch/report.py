@@ -81,7 +81,7 @@ def layout() -> list[str]:
 
 def model_layout(text_config, sizes) -> list[str]:
     """How a model's heads split at each CP size: U ranks exchange sequence for heads, R subgroups form a ring."""
-    from .forward.batch import has_deltanet, ulysses_of
+    from .attention.heads import has_deltanet, ulysses_of
 
     heads = f"{text_config.num_attention_heads} query heads"
     if has_deltanet(text_config):

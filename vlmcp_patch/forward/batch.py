@@ -1,35 +1,23 @@
 """Questions the package asks of a call and its model — what kind of batch it is, what stock would do with it —
 answered without judging it (the refusals are `refusals.py`'s) and without deciding anything (`plan.py` decides).
 
-* the model: does it have DeltaNet layers, what is U of its P = U x R layout;
-* the batch: its text positions, whether its mask holds cumulative sample lengths, whether it is a **packed row**
-  in the documented convention and whether stock would get that row right, where its placeholder tokens are,
-  whether each row's real tokens are one run, where stock restarts attention inside a row.
+* the path: whether the batch is a **packed row** in the documented convention and whether stock would get that
+  row right (asked of every call, so cheap);
+* the reading (`read_batch`, asked once of a batch that takes the package's path): its shape, its real tokens,
+  where its placeholder tokens are, where its samples start — from each source a packed row gives them by —
+  and where stock restarts attention inside a row. A fact a malformed batch does not let be read is None: the
+  rule that judges it (`refusals.py`) says why.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from ..layout import starts_of, ulysses_degree
-from .arguments import batch_reference, has_vision
-
-# ---------------------------------------------------------------------------------------------------------
-# The model
-
-
-def has_deltanet(text_config) -> bool:
-    return bool(getattr(text_config, "linear_num_value_heads", None))
-
-
-def ulysses_of(text_config, size: int) -> int:
-    """U of the P = U x R layout for a model: the largest divisor of P that splits its query heads (and its DeltaNet
-    value heads); the rest of P is a ring (`layout.Split`)."""
-    heads = [text_config.num_attention_heads]
-    if has_deltanet(text_config):
-        heads.append(text_config.linear_num_value_heads)
-    return ulysses_degree(size, heads)
-
+from ..attention.heads import has_deltanet
+from ..layout import starts_of
+from .arguments import VISION, batch_reference, has_vision
 
 # ---------------------------------------------------------------------------------------------------------
 # Which batch takes the package's path at P=1: the packed-row convention
@@ -104,13 +92,6 @@ def placeholder_tokens(model, call: dict, token_id: int) -> torch.Tensor:
     return (embeds == token).all(-1)
 
 
-def real_tokens_are_one_run(real: torch.Tensor) -> bool:
-    """Whether each row's real tokens (batch, seq) bool form one run (left, right or both-sided padding, no
-    holes)."""
-    edges = torch.diff(real.int(), dim=-1, prepend=torch.zeros_like(real[:, :1], dtype=torch.int))
-    return bool(((edges == 1).sum(-1) <= 1).all())
-
-
 def stock_restarts(model, call: dict, text: torch.Tensor, batch: int) -> torch.Tensor | None:
     """(batch, seq) bool: where stock starts a new attention sequence inside a row from its text positions when
     there is no mask — sdpa without a KV cache (where positions do not continue by +1), flash-attention on one
@@ -125,3 +106,86 @@ def stock_restarts(model, call: dict, text: torch.Tensor, batch: int) -> torch.T
     if (config.use_cache if use_cache is None else use_cache) or not bool(starts_of(text)[..., 1:].any()):
         return None
     return starts_of(text)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The reading
+
+
+@dataclass(frozen=True)
+class BatchReading:
+    """What a batch says, read once (`read_batch`), before any rule judges it. Tensors on the batch's device.
+
+    `shape`: (batch, seq) of its tokens. `real`: (batch, seq) bool, the real tokens of a 2D padding mask (None: no
+    such mask). `placeholders`: (batch, seq) bool per modality the call carries pixels for. `cumulative`: a packed
+    row's cumulative lengths in the order they are checked, (argument name, tensor, its (1, seq) sample starts or
+    None where they are not well formed). `text_starts`: (1, seq) where its text positions restart. `restarts`:
+    where stock restarts attention inside the rows of an ordinary batch without a mask. `starts`: the row's sample
+    starts on the caller's layout — a packed row's from its last source, an ordinary batch's first real token of
+    each row and stock's restarts."""
+
+    shape: tuple[int, int] | None = None
+    real: torch.Tensor | None = None
+    placeholders: dict[str, torch.Tensor] = field(default_factory=dict)
+    cumulative: list[tuple[str, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    text_starts: torch.Tensor | None = None
+    restarts: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
+
+
+def read_batch(model, call: dict, packed: bool) -> BatchReading:
+    """The reading of `call`'s batch (`BatchReading`); `packed`: it is a packed row (`is_packed_row`)."""
+    shape = tokens_shape(call)
+    if shape is None:
+        return BatchReading()
+    placeholders = {kind: placeholder_tokens(model, call, getattr(model.config, token_key))
+                    for kind, pixels_key, _, token_key in VISION
+                    if call.get(pixels_key) is not None and getattr(model.config, "vision_config", None) is not None}
+    text = text_positions(call)
+    if packed:
+        text_starts = None if text is None else starts_of(text)
+        cumulative = [(name, cu, _starts_of_cumulative(cu, shape[1])) for name, cu in _cumulative_lengths(call)]
+        given = [text_starts, *(starts for _, _, starts in cumulative)]
+        return BatchReading(shape, placeholders=placeholders, cumulative=cumulative, text_starts=text_starts,
+                            starts=next((s for s in reversed(given) if s is not None), None))
+    mask = call.get("attention_mask")
+    real = mask.bool() if torch.is_tensor(mask) and tuple(mask.shape) == shape else None
+    restarts = None
+    if mask is None and text is not None and text.shape[-2] in (1, shape[0]) and text.shape[-1] == shape[1]:
+        restarts = stock_restarts(model, call, text, shape[0])
+    return BatchReading(shape, real=real, placeholders=placeholders, restarts=restarts,
+                        starts=_first_tokens(shape, real, restarts, batch_reference(call).device))
+
+
+def tokens_shape(call: dict) -> tuple[int, int] | None:
+    """(batch, seq) of the call's tokens: 2D `input_ids`, else 3D `inputs_embeds`; None when neither is."""
+    ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
+    if ids is not None:
+        return tuple(ids.shape) if ids.ndim == 2 else None
+    return tuple(embeds.shape[:2]) if embeds is not None and embeds.ndim == 3 else None
+
+
+def _cumulative_lengths(call: dict) -> list[tuple[str, torch.Tensor]]:
+    """A packed row's cumulative lengths, given as the mask (the official script) and / or `cu_seq_lens_q`."""
+    given = [("attention_mask", call["attention_mask"] if cumulative_lengths_mask(call) else None),
+             ("cu_seq_lens_q", call.get("cu_seq_lens_q"))]
+    return [(name, cu) for name, cu in given if cu is not None]
+
+
+def _starts_of_cumulative(cu: torch.Tensor, seq: int) -> torch.Tensor | None:
+    """(1, seq) bool sample starts from cumulative lengths [0, l1, l1 + l2, ..., seq]; None when `cu` is not that."""
+    cumulative = cu.ndim == 1 and cu.numel() >= 2 and int(cu[0]) == 0 and int(cu[-1]) == seq
+    if not (cumulative and bool((cu.diff() > 0).all())):
+        return None
+    starts = torch.zeros(1, seq, dtype=torch.bool, device=cu.device)
+    starts[0, cu[:-1].long()] = True
+    return starts
+
+
+def _first_tokens(shape: tuple[int, int], real: torch.Tensor | None, restarts: torch.Tensor | None,
+                  device) -> torch.Tensor:
+    """(batch, seq) bool: each row's first real token, and stock's restarts inside a row."""
+    starts = torch.zeros(shape, dtype=torch.bool, device=device)
+    first = torch.ones(shape, dtype=torch.bool, device=device) if real is None else real
+    starts[torch.arange(shape[0], device=device), first.int().argmax(-1)] = True
+    return starts if restarts is None else starts | restarts.to(device)

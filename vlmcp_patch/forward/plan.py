@@ -26,35 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..attention.heads import ulysses_of
 from ..distributed import SINGLE_RANK, CPGroup
-from ..layout import Segment, Split, VisionShare, starts_of
+from ..layout import Segment, Split, VisionShare
 from ..settings import SETTINGS
-from .arguments import CU_SEQ_LENS, VISION, batch_reference
-from .batch import (
-    cumulative_lengths_mask,
-    has_deltanet,
-    is_packed_row,
-    stock_gets_packed_row_right,
-    stock_restarts,
-    text_positions,
-    ulysses_of,
-)
+from .arguments import VISION
+from .batch import BatchReading, cumulative_lengths_mask, is_packed_row, read_batch, stock_gets_packed_row_right
 from .positions import per_sample_mrope, stock_positions
-from .refusals import (
-    Problem,
-    Rejected,
-    as_stock_computes,
-    check_batch,
-    check_cu_seq_lens_k,
-    check_mask,
-    check_mrope_starts,
-    check_no_cu_seq_lens,
-    check_padding,
-    check_setup,
-    check_starts_agree,
-    refuse_restarts_under_deltanet,
-    starts_of_cumulative,
-)
+from .refusals import Problem, Rejected, as_stock_computes, first_refusal
 
 STOCK, AT_P1, CP = "stock", "the package's path at P=1", "CP"
 # Who computes the positions: given by the caller; computed as stock computes them for the caller's batch; or, for a
@@ -98,86 +77,45 @@ def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False) ->
     """The plan of one forward of `model` on `call` in the CP group `cp` (None: CP off). `always`: take the
     package's path at P=1 even for a batch stock gets right (`token_log_probs`). Never raises for the batch: a
     refusal is part of the plan."""
-    # The path: stock, unless CP is on or this is a packed row stock would get wrong.
+    # 1. The path: stock, unless CP is on or this is a packed row stock would get wrong.
     packed = is_packed_row(call)
     if cp is None:
         if not (always or (packed and not stock_gets_packed_row_right(model, call))):
             return ForwardPlan(STOCK)
         cp = SINGLE_RANK
     path = CP if cp.size > 1 else AT_P1
-    text = model.config.get_text_config()
-    ulysses, cumulative = ulysses_of(text, cp.size), cumulative_lengths_mask(call)
-    # The rules, and the row they let through; any refusal becomes the plan.
+    # 2. The batch, read once; the rules judge it; its samples; its positions (stock may refuse on the way).
+    reading = read_batch(model, call, packed)
+    refusal = first_refusal(model, cp, call, reading, packed)
+    if refusal is not None:
+        return ForwardPlan(path, cp, refusal=refusal)
+    segments = _segments(reading.real, reading.starts)
     try:
-        check_setup(model, cp, call)
-        shape, placeholders = check_batch(model, call)
-        real, segments, positions, positions_from = (_packed_row if packed else _ordinary_batch)(model, call, shape)
+        positions, positions_from = _positions(model, call, reading, packed, segments)
     except Rejected as rejected:
         return ForwardPlan(path, cp, refusal=rejected.problem)
-    # What each rank holds: its slice of the row, its vision share.
+    # 3. What each rank holds of the row: its slice, its vision share.
+    text = model.config.get_text_config()
     return ForwardPlan(
-        path, cp, packed=packed, real=real, segments=segments, positions=positions, positions_from=positions_from,
-        split=Split(segments[-1][1] if segments else 0, cp.size, ulysses),
-        vision_tokens={kind: _row_positions(found, real) for kind, found in placeholders.items()},
-        vision_shares=_vision_shares(model, call, placeholders, cp.size) if cp.size > 1 else {},
-        cumulative_lengths=call["attention_mask"] if cumulative else None,
+        path, cp, packed=packed, real=reading.real, segments=segments, positions=positions,
+        positions_from=positions_from, split=Split(segments[-1][1], cp.size, ulysses_of(text, cp.size)),
+        vision_tokens={kind: _row_positions(found, reading.real) for kind, found in reading.placeholders.items()},
+        vision_shares=_vision_shares(model, call, reading.placeholders, cp.size) if cp.size > 1 else {},
+        cumulative_lengths=call["attention_mask"] if cumulative_lengths_mask(call) else None,
         attention=text._attn_implementation,
     )
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The row: a packed row as given, or an ordinary batch's real tokens back to back
-
-
-def _packed_row(model, call: dict, shape: tuple[int, int]):
-    """(real, segments, positions, who computes them) of a packed row in the documented convention."""
-    segments = _segments(None, _packed_row_starts(call, shape[1]))
-    positions = call.get("position_ids")
-    if positions is not None and positions.ndim == 3:
-        return None, segments, positions, BY_CALLER
-    positions = as_stock_computes(per_sample_mrope, getattr(model, "model", None), call, segments, positions)
-    return None, segments, positions, PER_SAMPLE
-
-
-def _packed_row_starts(call: dict, seq: int) -> torch.Tensor:
-    """(1, seq) bool sample starts of a packed row, from its text positions and / or cumulative lengths."""
-    text = text_positions(call)
-    starts = None if text is None else starts_of(text)
-    mask_cu = call["attention_mask"] if cumulative_lengths_mask(call) else None
-    for name, cu in (("attention_mask", mask_cu), ("cu_seq_lens_q", call.get("cu_seq_lens_q"))):
-        if cu is None:
-            continue
-        from_cu = starts_of_cumulative(cu, seq, name)
-        check_starts_agree(name, cu, from_cu, starts)
-        starts = from_cu
-    check_cu_seq_lens_k(call)
-    check_mrope_starts(call.get("position_ids"), starts)
-    return starts
-
-
-def _ordinary_batch(model, call: dict, shape: tuple[int, int]):
-    """(real, segments, positions, who computes them) of rows with a padding mask of any pattern, or none: each
-    row's real tokens are one sample, split further where stock splits attention inside a row."""
-    mask = call.get("attention_mask")
-    deltanet = has_deltanet(model.config.get_text_config())
-    check_no_cu_seq_lens(call, CU_SEQ_LENS)
-    device = batch_reference(call).device
-    real = None if mask is None else check_mask(mask, shape, deltanet)
-    if real is not None:
-        check_padding(call, real, deltanet)
-    starts = torch.zeros(shape, dtype=torch.bool, device=device)
-    first = torch.ones(shape, dtype=torch.bool, device=device) if real is None else real
-    starts[torch.arange(shape[0], device=device), first.int().argmax(-1)] = True  # each row's first real token
-    text = text_positions(call)
-    restarts = None if real is not None or text is None else stock_restarts(model, call, text, shape[0])
-    if restarts is not None:
-        if deltanet:
-            refuse_restarts_under_deltanet()
-        starts |= restarts.to(device)
-    positions = call.get("position_ids")
-    if positions is None:
-        return real, _segments(real, starts), as_stock_computes(stock_positions, model, call), AS_STOCK
-    return real, _segments(real, starts), positions.expand(*positions.shape[:-2], *shape), BY_CALLER
+def _positions(model, call: dict, reading: BatchReading, packed: bool,
+               segments: list[Segment]) -> tuple[torch.Tensor, str]:
+    """(position ids (..., batch, seq) on the caller's layout, who computes them). A packed row without 3D
+    positions gets each sample's computed alone; an ordinary batch without positions gets stock's."""
+    given = call.get("position_ids")
+    if packed and (given is None or given.ndim == 2):
+        return as_stock_computes(per_sample_mrope, getattr(model, "model", None), call, segments, given), PER_SAMPLE
+    if given is None:
+        return as_stock_computes(stock_positions, model, call), AS_STOCK
+    return given.expand(*given.shape[:-2], *reading.shape), BY_CALLER
 
 
 def _segments(real: torch.Tensor | None, starts: torch.Tensor) -> list[Segment]:

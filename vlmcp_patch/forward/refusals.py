@@ -20,9 +20,10 @@ The rules are derived from what stock transformers does with each input:
 * the model and the call's options: the attention implementation, head counts, no KV cache, no
   `logits_to_keep`, no MoE router loss.
 
-A rule that fails raises `Rejected` holding a `Problem` (`reject`); `plan.plan_forward` catches it into the plan,
-so that the ranks of a CP group first agree (`agreement.py`) and then all raise together — no rank is left
-waiting in a collective the others never reach.
+The rules judge the call and what `batch.read_batch` read of it; they ask the batch nothing themselves.
+`first_refusal` runs them in the order above and returns the first that fails as a `Problem` (a rule raises
+`Rejected` through `reject`); `plan.plan_forward` puts it in the plan, so that the ranks of a CP group first agree
+(`agreement.py`) and then all raise together — no rank is left waiting in a collective the others never reach.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.foreign import foreign_attention_problem
-from ..attention.heads import kv_replication
+from ..attention.heads import has_deltanet, kv_replication, ulysses_of
 from ..distributed import CPGroup
 from ..errors import CPInputError, UnsupportedSetupError
 from ..loss import IGNORE_INDEX, shifted_labels
 from ..patching import cp_size
-from .arguments import VISION, given_cache
-from .batch import has_deltanet, placeholder_tokens, real_tokens_are_one_run, ulysses_of
+from .arguments import CU_SEQ_LENS, VISION, given_cache
+from .batch import BatchReading
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
 
@@ -73,6 +74,22 @@ def as_stock_computes(compute, *args):
         return compute(*args)
     except (ValueError, IndexError, RuntimeError) as exc:
         raise Rejected(Problem(type(exc), str(exc))) from None
+
+
+def first_refusal(model, cp: CPGroup, call: dict, reading: BatchReading, packed: bool) -> Problem | None:
+    """The first rule the call breaks (module docstring), in order: the model and the call's options, tokens,
+    labels, vision, position shapes, then a packed row's boundaries or an ordinary batch's mask and padding;
+    None when every rule holds. `packed`: the call is a packed row (`batch.is_packed_row`)."""
+    try:
+        check_setup(model, cp, call)
+        shape = _check_tokens(model, call)
+        _check_labels(model, call, shape)
+        _check_vision(model, call, reading.placeholders)
+        _check_position_shape(call, shape)
+        (_check_packed_row if packed else _check_ordinary_batch)(model, call, shape, reading)
+    except Rejected as rejected:
+        return rejected.problem
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -125,16 +142,6 @@ def check_setup(model, cp: CPGroup, call: dict) -> None:
 # Tokens, labels, vision, position shapes: every batch
 
 
-def check_batch(model, call: dict) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
-    """The rules every batch meets; returns its (batch, seq) shape and each modality's placeholder tokens
-    ((batch, seq) bool, for the modalities the call carries pixels for)."""
-    shape = _check_tokens(model, call)
-    _check_labels(model, call, shape)
-    placeholders = _check_vision(model, call)
-    _check_position_shape(call, shape)
-    return shape, placeholders
-
-
 def _check_tokens(model, call: dict) -> tuple[int, int]:
     ids, embeds = call.get("input_ids"), call.get("inputs_embeds")
     if (ids is None) == (embeds is None):
@@ -176,14 +183,13 @@ def _check_grid(grid: torch.Tensor, name: str, merge: int) -> None:
                f"{grid.tolist()}")
 
 
-def _check_vision(model, call: dict) -> dict[str, torch.Tensor]:
+def _check_vision(model, call: dict, placeholders: dict[str, torch.Tensor]) -> None:
     vision = getattr(model.config, "vision_config", None)
     if vision is None:
-        return {}
+        return
     merge = vision.spatial_merge_size
     width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    placeholders = {}
-    for kind, pixels_key, grid_key, token_key in VISION:
+    for kind, pixels_key, grid_key, _ in VISION:
         pixels, grid = call.get(pixels_key), call.get(grid_key)
         if pixels is None:
             continue
@@ -194,13 +200,10 @@ def _check_vision(model, call: dict) -> dict[str, torch.Tensor]:
         if pixels.ndim != 2 or tuple(pixels.shape) != (rows, width):
             reject(f"{pixels_key} has shape {tuple(pixels.shape)} but {grid_key} {grid.tolist()} asks for "
                    f"({rows}, {width}) patch rows; build both with the same processor")
-        expected = rows // merge**2
-        placeholders[kind] = placeholder_tokens(model, call, getattr(model.config, token_key))
-        found = int(placeholders[kind].sum())
+        expected, found = rows // merge**2, int(placeholders[kind].sum())
         if expected != found:
             reject(f"{kind} features and {kind} tokens do not match: {grid_key} gives {expected} {kind} tokens but "
                    f"the tokens hold {found}; build input_ids with the same processor as the {pixels_key}.")
-    return placeholders
 
 
 def _check_position_shape(call: dict, shape: tuple[int, int]) -> None:
@@ -218,29 +221,42 @@ def _check_position_shape(call: dict, shape: tuple[int, int]) -> None:
 # An ordinary batch: masks, padding, restarts
 
 
-def check_no_cu_seq_lens(call: dict, keys: tuple[str, ...]) -> None:
-    if any(call.get(k) is not None for k in keys):
+def _check_ordinary_batch(model, call: dict, shape: tuple[int, int], reading: BatchReading) -> None:
+    deltanet = has_deltanet(model.config.get_text_config())
+    if any(call.get(k) is not None for k in CU_SEQ_LENS):
         reject("cu_seq_lens / max_length describe one packed row: pass them with a batch of one row only")
+    mask = call.get("attention_mask")
+    if mask is not None:
+        _check_mask(mask, shape, deltanet)
+        _check_padding(call, reading.real, deltanet)
+    if reading.restarts is not None and deltanet:
+        reject("position_ids restart inside a row of this batch: stock splits attention there but runs the "
+               "DeltaNet layers across the restarts; pass the samples as one packed row (every layer then "
+               "restarts at each sample), or as padded rows with an attention_mask")
 
 
-def check_mask(mask: torch.Tensor, shape: tuple[int, int], deltanet: bool) -> torch.Tensor:
-    """The real tokens (batch, seq) of a 2D padding mask."""
+def _check_mask(mask: torch.Tensor, shape: tuple[int, int], deltanet: bool) -> None:
     if mask.ndim == 4:
         reject("a 4D attention_mask (a custom attention pattern) cannot be split under CP; pass the 2D padding "
                "mask, or pack samples into one row with restarting position_ids", UnsupportedSetupError)
     if mask.ndim != 2 or tuple(mask.shape) != shape:
         reject(f"attention_mask has shape {tuple(mask.shape)}; under CP it must be the 2D (batch, seq) padding mask "
                f"for tokens {shape}, or the 1D cumulative sample lengths of a packed row")
-    real = mask.bool()
     if deltanet and not bool(((mask == 0) | (mask == 1)).all()):
         reject("attention_mask holds values other than 0 and 1: the DeltaNet layers scale their inputs by it")
-    if not bool(real.any()):
+    if not bool(mask.bool().any()):
         reject("the batch holds no token: attention_mask is all zeros")
-    return real
 
 
-def check_padding(call: dict, real: torch.Tensor, deltanet: bool) -> None:
-    if deltanet and not real_tokens_are_one_run(real):
+def _real_tokens_are_one_run(real: torch.Tensor) -> bool:
+    """Whether each row's real tokens (batch, seq) bool form one run (left, right or both-sided padding, no
+    holes)."""
+    edges = torch.diff(real.int(), dim=-1, prepend=torch.zeros_like(real[:, :1], dtype=torch.int))
+    return bool(((edges == 1).sum(-1) <= 1).all())
+
+
+def _check_padding(call: dict, real: torch.Tensor, deltanet: bool) -> None:
+    if deltanet and not _real_tokens_are_one_run(real):
         reject("attention_mask has holes (padding between real tokens of a row): the DeltaNet layers run through "
                "them as zeros, which cannot be split exactly; pad on either side only, or pack the samples")
     targets = call["shift_labels"] if call.get("shift_labels") is not None else (
@@ -250,34 +266,28 @@ def check_padding(call: dict, real: torch.Tensor, deltanet: bool) -> None:
                "Mask them as most collators do (labels[attention_mask == 0] = -100).")
 
 
-def refuse_restarts_under_deltanet() -> None:
-    reject("position_ids restart inside a row of this batch: stock splits attention there but runs the "
-           "DeltaNet layers across the restarts; pass the samples as one packed row (every layer then "
-           "restarts at each sample), or as padded rows with an attention_mask")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # A packed row: its sample boundaries, given more than one way
 
 
-def starts_of_cumulative(cu: torch.Tensor, seq: int, name: str) -> torch.Tensor:
-    """(1, seq) bool sample starts from cumulative lengths `cu` (the argument `name`), which must be well formed."""
-    cumulative = cu.ndim == 1 and cu.numel() >= 2 and int(cu[0]) == 0 and int(cu[-1]) == seq
-    if not (cumulative and bool((cu.diff() > 0).all())):
-        reject(f"{name} {cu.tolist()} must be the cumulative sample lengths [0, l1, l1 + l2, ..., {seq}] of the row "
-               f"({seq} tokens)")
-    starts = torch.zeros(1, seq, dtype=torch.bool, device=cu.device)
-    starts[0, cu[:-1].long()] = True
-    return starts
+def _check_packed_row(model, call: dict, shape: tuple[int, int], reading: BatchReading) -> None:
+    seq, previous = shape[1], reading.text_starts
+    for name, cu, starts in reading.cumulative:
+        if starts is None:
+            reject(f"{name} {cu.tolist()} must be the cumulative sample lengths [0, l1, l1 + l2, ..., {seq}] of the "
+                   f"row ({seq} tokens)")
+        if previous is not None and not torch.equal(starts, previous.to(cu.device)):
+            reject(f"{name} {cu.tolist()} does not agree with position_ids (sample starts where positions restart "
+                   "at 0); pass matching ones or drop one of them")
+        previous = starts
+    _check_cu_seq_lens_k(call)
+    positions = call.get("position_ids")
+    if positions is not None and positions.ndim == 3 and bool((positions[..., reading.starts[0]] != 0).any()):
+        reject("the mRoPE position_ids of a packed row must start at 0 at every sample start (each sample's positions "
+               "computed alone, as the official fine-tuning script and get_rope_index do)")
 
 
-def check_starts_agree(name: str, cu: torch.Tensor, from_cu: torch.Tensor, starts: torch.Tensor | None) -> None:
-    if starts is not None and not torch.equal(from_cu, starts.to(cu.device)):
-        reject(f"{name} {cu.tolist()} does not agree with position_ids (sample starts where positions restart "
-               "at 0); pass matching ones or drop one of them")
-
-
-def check_cu_seq_lens_k(call: dict) -> None:
+def _check_cu_seq_lens_k(call: dict) -> None:
     cu_q, cu_k = call.get("cu_seq_lens_q"), call.get("cu_seq_lens_k")
     if cu_k is not None and (cu_q is None or not torch.equal(cu_k.to(cu_q.device), cu_q)):
         reject("cu_seq_lens_k must equal cu_seq_lens_q (self-attention of a packed row)")
@@ -288,9 +298,3 @@ def check_cu_seq_lens_k(call: dict) -> None:
         given = call.get(key)
         if given is not None and int(given) != longest:
             reject(f"{key}={int(given)} but the longest packed sample has {longest} tokens")
-
-
-def check_mrope_starts(positions: torch.Tensor | None, starts: torch.Tensor) -> None:
-    if positions is not None and positions.ndim == 3 and bool((positions[..., starts[0]] != 0).any()):
-        reject("the mRoPE position_ids of a packed row must start at 0 at every sample start (each sample's positions "
-               "computed alone, as the official fine-tuning script and get_rope_index do)")
