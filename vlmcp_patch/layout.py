@@ -221,6 +221,14 @@ class VisionShare:
             return share
         return replace(share, method=BY_PATCHES)
 
+    @classmethod
+    def decide_each(cls, grids: dict[str, torch.Tensor], vision_config, size: int,
+                    data_parallel: bool) -> dict[str, VisionShare]:
+        """`decide` for each modality's grid (items, 3); `vision_config` gives the merge size and the tower's heads
+        (unread when there is no grid)."""
+        return {kind: cls.decide(grid.tolist(), vision_config.spatial_merge_size, size, vision_config.num_heads,
+                                 data_parallel) for kind, grid in grids.items()}
+
     def mine(self, rank: int) -> list[int]:
         return [i for i, r in enumerate(self.ranks) if r == rank]
 

@@ -20,7 +20,6 @@ import torch
 from ..collectives import all_gather_small
 from ..distributed import is_partitioned
 from ..errors import CPInputError, UnsupportedSetupError
-from .arguments import batch_device
 from .plan import ForwardPlan
 
 # The forward arguments fingerprinted in their own slot; any other tensor argument shares the last one.
@@ -177,8 +176,8 @@ def agree(plan: ForwardPlan, call: dict, model) -> None:
         return
     weights = weights_fingerprint(model)
     header = [float(problem is not None), _dtype_code(model), float(weights is not None), *(weights or [0.0, 0.0]),
-              0.0 if problem is not None else plan.digest()]
-    local = torch.tensor(header + batch_fingerprint(call), dtype=torch.float64, device=batch_device(call))
+              plan.digest]
+    local = torch.tensor(header + batch_fingerprint(call), dtype=torch.float64, device=plan.device)
     gathered = _Gathered(all_gather_small(local, cp.group, cp.size))
     if problem is not None:
         problem.raise_it()

@@ -17,7 +17,33 @@ import torch
 
 from ..attention.heads import has_deltanet
 from ..layout import starts_of
-from .arguments import VISION, batch_reference, has_vision
+from .arguments import CACHE_KEYWORDS, VISION
+
+# ---------------------------------------------------------------------------------------------------------
+# The call
+
+
+def batch_reference(call: dict) -> torch.Tensor | None:
+    """`input_ids`, else `inputs_embeds` (or None): the tensor that fixes a forward's batch shape and device."""
+    return call["input_ids"] if call.get("input_ids") is not None else call.get("inputs_embeds")
+
+
+def batch_device(call: dict) -> torch.device:
+    """Where a forward's batch lives: small control tensors for collectives go there (NCCL takes no CPU ones)."""
+    reference = batch_reference(call)
+    return reference.device if reference is not None else torch.device("cpu")
+
+
+def given_cache(call: dict):
+    """The KV cache a call was given, under whichever spelling (None when there is none)."""
+    return next((call[k] for k in CACHE_KEYWORDS if call.get(k) is not None), None)
+
+
+def has_vision(call: dict) -> bool:
+    """Whether a call carries images or videos (pixels or grids)."""
+    keys = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+    return any(call.get(k) is not None for k in keys)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Which batch takes the package's path at P=1: the packed-row convention
@@ -114,47 +140,68 @@ def stock_restarts(model, call: dict, text: torch.Tensor, batch: int) -> torch.T
 
 @dataclass(frozen=True)
 class BatchReading:
-    """What a batch says, read once (`read_batch`), before any rule judges it. Tensors on the batch's device.
+    """What a batch says, read once (`read_batch`) before any rule judges it. Tensors on the batch's device.
 
-    `shape`: (batch, seq) of its tokens. `real`: (batch, seq) bool, the real tokens of a 2D padding mask (None: no
-    such mask). `placeholders`: (batch, seq) bool per modality the call carries pixels for. `cumulative`: a packed
-    row's cumulative lengths in the order they are checked, (argument name, tensor, its (1, seq) sample starts or
-    None where they are not well formed). `text_starts`: (1, seq) where its text positions restart. `restarts`:
-    where stock restarts attention inside the rows of an ordinary batch without a mask. `starts`: the row's sample
-    starts on the caller's layout — a packed row's from its last source, an ordinary batch's first real token of
-    each row and stock's restarts."""
+    `device`: where the batch lives (control tensors of collectives go there). `shape`: (batch, seq) of its
+    tokens. `cache_given`: a KV cache came with the call; `carries_vision`: pixels or grids did;
+    `cumulative_mask`: its `attention_mask` when that holds a packed row's cumulative lengths. `real`: (batch, seq)
+    bool, the real tokens of a 2D padding mask (None: no such mask). `placeholders`: (batch, seq) bool per modality
+    the call carries pixels for, `grids` its `grid_thw`. `cumulative`: a packed row's cumulative lengths in the
+    order they are checked, (argument name, tensor, its (1, seq) sample starts or None where they are not well
+    formed). `text_starts`: (1, seq) where its text positions restart. `restarts`: where stock restarts attention
+    inside the rows of an ordinary batch without a mask. `starts`: the row's sample starts on the caller's layout
+    — a packed row's from its last source, an ordinary batch's first real token of each row and stock's restarts.
+    `segments`: the samples of the packed row those starts make (the real tokens back to back), and
+    `placeholder_rows` each modality's placeholder tokens' positions in it (1D, ascending)."""
 
+    device: torch.device
     shape: tuple[int, int] | None = None
+    cache_given: bool = False
+    carries_vision: bool = False
+    cumulative_mask: torch.Tensor | None = None
     real: torch.Tensor | None = None
     placeholders: dict[str, torch.Tensor] = field(default_factory=dict)
+    grids: dict[str, torch.Tensor] = field(default_factory=dict)
     cumulative: list[tuple[str, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
     text_starts: torch.Tensor | None = None
     restarts: torch.Tensor | None = None
     starts: torch.Tensor | None = None
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    placeholder_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def read_batch(model, call: dict, packed: bool) -> BatchReading:
     """The reading of `call`'s batch (`BatchReading`); `packed`: it is a packed row (`is_packed_row`)."""
-    shape = tokens_shape(call)
+    device, shape, cache_given = batch_device(call), tokens_shape(call), given_cache(call) is not None
+    cumulative_mask = call["attention_mask"] if cumulative_lengths_mask(call) else None
     if shape is None:
-        return BatchReading()
-    placeholders = {kind: placeholder_tokens(model, call, getattr(model.config, token_key))
-                    for kind, pixels_key, _, token_key in VISION
-                    if call.get(pixels_key) is not None and getattr(model.config, "vision_config", None) is not None}
+        return BatchReading(device, cache_given=cache_given, carries_vision=has_vision(call),
+                            cumulative_mask=cumulative_mask)
+    vision = getattr(model.config, "vision_config", None) is not None
+    given = [(kind, grid_key, token_key) for kind, pixels_key, grid_key, token_key in VISION
+             if vision and call.get(pixels_key) is not None]
+    placeholders = {kind: placeholder_tokens(model, call, getattr(model.config, key)) for kind, _, key in given}
+    grids = {kind: call.get(grid_key) for kind, grid_key, _ in given}
     text = text_positions(call)
+    real = text_starts = restarts = None
+    cumulative = []
     if packed:
         text_starts = None if text is None else starts_of(text)
         cumulative = [(name, cu, _starts_of_cumulative(cu, shape[1])) for name, cu in _cumulative_lengths(call)]
-        given = [text_starts, *(starts for _, _, starts in cumulative)]
-        return BatchReading(shape, placeholders=placeholders, cumulative=cumulative, text_starts=text_starts,
-                            starts=next((s for s in reversed(given) if s is not None), None))
-    mask = call.get("attention_mask")
-    real = mask.bool() if torch.is_tensor(mask) and tuple(mask.shape) == shape else None
-    restarts = None
-    if mask is None and text is not None and text.shape[-2] in (1, shape[0]) and text.shape[-1] == shape[1]:
-        restarts = stock_restarts(model, call, text, shape[0])
-    return BatchReading(shape, real=real, placeholders=placeholders, restarts=restarts,
-                        starts=_first_tokens(shape, real, restarts, batch_reference(call).device))
+        starts = next((s for s in reversed([text_starts, *(c[2] for c in cumulative)]) if s is not None), None)
+    else:
+        mask = call.get("attention_mask")
+        real = mask.bool() if torch.is_tensor(mask) and tuple(mask.shape) == shape else None
+        if mask is None and text is not None and text.shape[-2] in (1, shape[0]) and text.shape[-1] == shape[1]:
+            restarts = stock_restarts(model, call, text, shape[0])
+        starts = _first_tokens(shape, real, restarts, device)
+    segments = [] if starts is None else _segments(real, starts)
+    return BatchReading(
+        device, shape, cache_given=cache_given, carries_vision=has_vision(call), cumulative_mask=cumulative_mask,
+        real=real, placeholders=placeholders, grids=grids, cumulative=cumulative, text_starts=text_starts,
+        restarts=restarts, starts=starts, segments=segments,
+        placeholder_rows={kind: _row_positions(found, real) for kind, found in placeholders.items()},
+    )
 
 
 def tokens_shape(call: dict) -> tuple[int, int] | None:
@@ -168,7 +215,7 @@ def tokens_shape(call: dict) -> tuple[int, int] | None:
 def _cumulative_lengths(call: dict) -> list[tuple[str, torch.Tensor]]:
     """A packed row's cumulative lengths, given as the mask (the official script) and / or `cu_seq_lens_q`."""
     given = [("attention_mask", call["attention_mask"] if cumulative_lengths_mask(call) else None),
-             ("cu_seq_lens_q", call.get("cu_seq_lens_q"))]
+             ("cu_seq_lens_q", call.get("cu_seq_lens_q"))]  # in this order: the rules check them so
     return [(name, cu) for name, cu in given if cu is not None]
 
 
@@ -189,3 +236,15 @@ def _first_tokens(shape: tuple[int, int], real: torch.Tensor | None, restarts: t
     first = torch.ones(shape, dtype=torch.bool, device=device) if real is None else real
     starts[torch.arange(shape[0], device=device), first.int().argmax(-1)] = True
     return starts if restarts is None else starts | restarts.to(device)
+
+
+def _segments(real: torch.Tensor | None, starts: torch.Tensor) -> list[tuple[int, int]]:
+    """Segments of the packed row (the real tokens back to back) from sample starts on the caller's layout."""
+    flat = starts.reshape(-1) if real is None else starts[real]
+    bounds = [*flat.nonzero().flatten().tolist(), int(flat.numel())]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _row_positions(found: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """Row positions (1D, ascending) of the tokens `found` (batch, seq) bool marks on the caller's layout."""
+    return (found if real is None else found[real]).reshape(-1).nonzero().flatten()

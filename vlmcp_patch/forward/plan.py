@@ -28,31 +28,34 @@ import torch
 
 from ..attention.heads import ulysses_of
 from ..distributed import SINGLE_RANK, CPGroup
+from ..errors import Problem
 from ..layout import Segment, Split, VisionShare
 from ..settings import SETTINGS
-from .arguments import VISION
-from .batch import BatchReading, cumulative_lengths_mask, is_packed_row, read_batch, stock_gets_packed_row_right
-from .positions import per_sample_mrope, stock_positions
-from .refusals import Problem, Rejected, as_stock_computes, first_refusal
+from .batch import is_packed_row, read_batch, stock_gets_packed_row_right
+from .positions import BY_CALLER, positions_of
+from .refusals import first_refusal
 
 STOCK, AT_P1, CP = "stock", "the package's path at P=1", "CP"
-# Who computes the positions: given by the caller; computed as stock computes them for the caller's batch; or, for a
-# packed row, the caller's (or restarting) text positions with each sample's mRoPE computed alone.
-BY_CALLER, AS_STOCK, PER_SAMPLE = "the caller", "as stock computes them", "per sample"
+# Stock's own refusals while it computes positions (e.g. images without `mm_token_type_ids`): the batch's refusal,
+# the same type and message on every rank.
+STOCK_REFUSALS = (ValueError, IndexError, RuntimeError)
 
 
 @dataclass(frozen=True, eq=False)  # identity, not element-wise tensor comparison
 class ForwardPlan:
-    """One forward's decision (module docstring). Tensors are on the batch's device; `real` (batch, seq) bool marks
-    the caller's real tokens (None: every token); `segments` are the samples in row coordinates; `positions` are
-    (..., batch, seq) on the caller's layout; `vision_tokens` maps a modality to the row positions (1D, ascending)
-    of its placeholder tokens, `vision_shares` to its share over the ranks (under CP only);
-    `cumulative_lengths` is the caller's 1D cumulative-lengths mask of a packed row, as given."""
+    """One forward's decision (module docstring). Tensors are on the batch's `device`; `shape` is the caller's
+    (batch, seq); `real` (batch, seq) bool marks the caller's real tokens (None: every token); `segments` are the
+    samples in row coordinates; `positions` are (..., batch, seq) on the caller's layout; `vision_tokens` maps a
+    modality to the row positions (1D, ascending) of its placeholder tokens, `vision_shares` to its share over the
+    ranks (under CP only); `cumulative_lengths` is the caller's 1D cumulative-lengths mask of a packed row, as
+    given. A plan with a `refusal` holds nothing else but the device."""
 
     path: str
     cp: CPGroup | None = None
     refusal: Problem | None = None
+    device: torch.device | None = None
     packed: bool = False
+    shape: tuple[int, int] | None = None
     real: torch.Tensor | None = None
     segments: list[Segment] = field(default_factory=list)
     positions: torch.Tensor | None = None
@@ -62,15 +65,7 @@ class ForwardPlan:
     vision_shares: dict[str, VisionShare] = field(default_factory=dict)
     cumulative_lengths: torch.Tensor | None = None
     attention: str | None = None
-
-    def digest(self) -> float:
-        """A number every rank that planned the same computes alike (`agreement.agree`): path, row, positions'
-        source, split, vision shares, attention."""
-        shares = {k: (s.method, s.ranks) for k, s in sorted(self.vision_shares.items())}
-        split = None if self.split is None else (self.split.seq_len, self.split.size, self.split.ulysses)
-        summary = (self.path, self.packed, self.segments, self.positions_from, split, shares, self.attention,
-                   self.cumulative_lengths is not None)
-        return float(zlib.crc32(repr(summary).encode()))
+    digest: float = 0.0  # every rank that planned alike has the same (`agreement.agree`; `_digest`)
 
 
 def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False) -> ForwardPlan:
@@ -84,61 +79,34 @@ def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False) ->
             return ForwardPlan(STOCK)
         cp = SINGLE_RANK
     path = CP if cp.size > 1 else AT_P1
-    # 2. The batch, read once; the rules judge it; its samples; its positions (stock may refuse on the way).
+    # 2. The batch, read once; the rules judge the reading; the positions (stock may refuse on the way).
     reading = read_batch(model, call, packed)
     refusal = first_refusal(model, cp, call, reading, packed)
+    if refusal is None:
+        try:
+            positions, positions_from = positions_of(model, call, reading, packed)
+        except STOCK_REFUSALS as exc:
+            refusal = Problem(type(exc), str(exc))
     if refusal is not None:
-        return ForwardPlan(path, cp, refusal=refusal)
-    segments = _segments(reading.real, reading.starts)
-    try:
-        positions, positions_from = _positions(model, call, reading, packed, segments)
-    except Rejected as rejected:
-        return ForwardPlan(path, cp, refusal=rejected.problem)
+        return ForwardPlan(path, cp, refusal=refusal, device=reading.device)
     # 3. What each rank holds of the row: its slice, its vision share.
-    text = model.config.get_text_config()
+    text, vision = model.config.get_text_config(), getattr(model.config, "vision_config", None)
+    split = Split(reading.segments[-1][1], cp.size, ulysses_of(text, cp.size))
+    shares = {} if cp.size == 1 else VisionShare.decide_each(reading.grids, vision, cp.size, SETTINGS.vision_dp)
     return ForwardPlan(
-        path, cp, packed=packed, real=reading.real, segments=segments, positions=positions,
-        positions_from=positions_from, split=Split(segments[-1][1], cp.size, ulysses_of(text, cp.size)),
-        vision_tokens={kind: _row_positions(found, reading.real) for kind, found in reading.placeholders.items()},
-        vision_shares=_vision_shares(model, call, reading.placeholders, cp.size) if cp.size > 1 else {},
-        cumulative_lengths=call["attention_mask"] if cumulative_lengths_mask(call) else None,
+        path, cp, device=reading.device, packed=packed, shape=reading.shape, real=reading.real,
+        segments=reading.segments, positions=positions, positions_from=positions_from, split=split,
+        vision_tokens=reading.placeholder_rows, vision_shares=shares, cumulative_lengths=reading.cumulative_mask,
         attention=text._attn_implementation,
+        digest=_digest(path, packed, reading.segments, positions_from, split, shares, text._attn_implementation,
+                       reading.cumulative_mask is not None),
     )
 
 
-def _positions(model, call: dict, reading: BatchReading, packed: bool,
-               segments: list[Segment]) -> tuple[torch.Tensor, str]:
-    """(position ids (..., batch, seq) on the caller's layout, who computes them). A packed row without 3D
-    positions gets each sample's computed alone; an ordinary batch without positions gets stock's."""
-    given = call.get("position_ids")
-    if packed and (given is None or given.ndim == 2):
-        return as_stock_computes(per_sample_mrope, getattr(model, "model", None), call, segments, given), PER_SAMPLE
-    if given is None:
-        return as_stock_computes(stock_positions, model, call), AS_STOCK
-    return given.expand(*given.shape[:-2], *reading.shape), BY_CALLER
-
-
-def _segments(real: torch.Tensor | None, starts: torch.Tensor) -> list[Segment]:
-    """Segments of the packed row (the real tokens back to back) from sample starts on the caller's layout."""
-    flat = starts.reshape(-1) if real is None else starts[real]
-    bounds = [*flat.nonzero().flatten().tolist(), int(flat.numel())]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Vision
-
-
-def _row_positions(found: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
-    """Row positions (1D, ascending) of the tokens `found` (batch, seq) bool marks on the caller's layout."""
-    return (found if real is None else found[real]).reshape(-1).nonzero().flatten()
-
-
-def _vision_shares(model, call: dict, placeholders: dict, size: int) -> dict[str, VisionShare]:
-    """How the `size` ranks share each modality's vision work, from its grid alone (`layout.VisionShare.decide`)."""
-    if not placeholders:
-        return {}
-    vision = model.config.vision_config
-    return {kind: VisionShare.decide(call[grid_key].tolist(), vision.spatial_merge_size, size, vision.num_heads,
-                                     SETTINGS.vision_dp)
-            for kind, _, grid_key, _ in VISION if kind in placeholders}
+def _digest(path: str, packed: bool, segments: list[Segment], positions_from: str, split: Split,
+            shares: dict[str, VisionShare], attention: str, cumulative: bool) -> float:
+    """A number for a plan's decisions (path, row, positions' source, split, vision shares, attention): the
+    agreement compares it over the group, so ranks that would take different paths stop together."""
+    summary = (path, packed, segments, positions_from, (split.seq_len, split.size, split.ulysses),
+               {kind: (share.method, share.ranks) for kind, share in sorted(shares.items())}, attention, cumulative)
+    return float(zlib.crc32(repr(summary).encode()))

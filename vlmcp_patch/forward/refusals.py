@@ -28,35 +28,22 @@ The rules judge the call and what `batch.read_batch` read of it; they ask the ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..attention.foreign import foreign_attention_problem
 from ..attention.heads import has_deltanet, kv_replication, ulysses_of
 from ..distributed import CPGroup
-from ..errors import CPInputError, UnsupportedSetupError
+from ..errors import CPInputError, Problem, UnsupportedSetupError
 from ..loss import IGNORE_INDEX, shifted_labels
 from ..patching import cp_size
-from .arguments import CU_SEQ_LENS, VISION, given_cache
+from .arguments import CU_SEQ_LENS, VISION
 from .batch import BatchReading
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
 
 
-@dataclass(frozen=True)
-class Problem:
-    """A reason this rank cannot run the batch; raised on every rank of the group."""
-
-    error: type
-    message: str
-
-    def raise_it(self):
-        raise self.error(self.message)
-
-
 class Rejected(Exception):
-    """A rule failed: carries the `Problem` up to `plan.plan_forward`."""
+    """A rule failed: carries its `Problem` up to `first_refusal`."""
 
     def __init__(self, problem: Problem):
         self.problem = problem
@@ -66,22 +53,12 @@ def reject(message: str, error: type = CPInputError):
     raise Rejected(Problem(error, message))
 
 
-def as_stock_computes(compute, *args):
-    """`compute(*args)` — positions as stock computes them. Stock's own refusal on the way (its ValueError,
-    IndexError or RuntimeError, e.g. images without `mm_token_type_ids`) becomes the batch's Problem: the same
-    type and message on every rank. Errors anywhere else propagate as they are."""
-    try:
-        return compute(*args)
-    except (ValueError, IndexError, RuntimeError) as exc:
-        raise Rejected(Problem(type(exc), str(exc))) from None
-
-
 def first_refusal(model, cp: CPGroup, call: dict, reading: BatchReading, packed: bool) -> Problem | None:
     """The first rule the call breaks (module docstring), in order: the model and the call's options, tokens,
     labels, vision, position shapes, then a packed row's boundaries or an ordinary batch's mask and padding;
     None when every rule holds. `packed`: the call is a packed row (`batch.is_packed_row`)."""
     try:
-        check_setup(model, cp, call)
+        check_setup(model, cp, call, reading.cache_given)
         shape = _check_tokens(model, call)
         _check_labels(model, call, shape)
         _check_vision(model, call, reading.placeholders)
@@ -113,7 +90,7 @@ def check_model_config(text_config, size: int) -> None:
         )
 
 
-def check_setup(model, cp: CPGroup, call: dict) -> None:
+def check_setup(model, cp: CPGroup, call: dict, cache_given: bool) -> None:
     """The model and the call's options against CP (attention, heads, cache, logits_to_keep, router loss)."""
     text_config = model.config.get_text_config()
     try:
@@ -123,7 +100,7 @@ def check_setup(model, cp: CPGroup, call: dict) -> None:
     foreign = foreign_attention_problem(model) if cp.size > 1 else None  # at P=1 it sees the whole row
     if foreign is not None:
         reject(foreign, UnsupportedSetupError)
-    if given_cache(call) is not None:
+    if cache_given:
         reject("a past_key_values cache (incremental decoding) cannot be used under CP; generate() runs with CP "
                "bypassed by itself, or run the call inside `with vlmcp_patch.disabled():`.", UnsupportedSetupError)
     keep = call.get("logits_to_keep", 0)

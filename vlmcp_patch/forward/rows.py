@@ -15,9 +15,11 @@ row holds only small integer tensors; `slicing.cut_to_slice` then cuts it to thi
 
 from __future__ import annotations
 
+import torch
+
 from ..context import CPContext, RowLayout
 from ..loss import shifted_labels
-from .arguments import CU_SEQ_LENS, batch_reference
+from .arguments import CU_SEQ_LENS
 from .plan import ForwardPlan
 
 # Per-token inputs that follow their tokens into the row: (name, index of the batch dimension). Caller-given
@@ -49,10 +51,10 @@ def _to_row(call: dict, plan: ForwardPlan) -> RowLayout | None:
     call.pop("attention_mask", None)
     for key in CU_SEQ_LENS:
         call.pop(key, None)  # the context carries the boundaries
-    reference = batch_reference(call)
-    if plan.real is None and reference.shape[0] == 1:
+    if plan.real is None and plan.shape[0] == 1:
         return None
-    rows = RowLayout.of_mask(plan.real if plan.real is not None else reference.new_ones(reference.shape[:2]).bool())
+    every_token = plan.real is None
+    rows = RowLayout.of_mask(torch.ones(plan.shape, dtype=torch.bool, device=plan.device) if every_token else plan.real)
     for name, batch_dim in PER_TOKEN:
         if call.get(name) is not None:
             call[name] = rows.to_row(call[name], batch_dim)
