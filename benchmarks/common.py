@@ -172,11 +172,13 @@ class ModuleStack:
 
 
 class SavedTensors:
-    """Bytes of the tensors autograd saves for backward (each storage once, parameters left out), by module."""
+    """Bytes of the tensors autograd saves for backward (each storage once, parameters and `existing` tensors left
+    out), by module."""
 
-    def __init__(self, model, modules: ModuleStack):
+    def __init__(self, model, modules: ModuleStack, existing=()):
         self.modules = modules
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        # Parameters, and whatever else exists before the step (the caller's batch): saved, they cost nothing.
+        self.params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *existing]}
         self.seen: set[int] = set()
         self.by_module: dict[str, int] = collections.defaultdict(int)
 

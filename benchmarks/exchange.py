@@ -27,8 +27,8 @@ import torch
 
 from benchmarks.common import build_benchmark_model
 from tests.helpers.harness import run_distributed
+from vlmcp_patch.attention.heads import ulysses_of
 from vlmcp_patch.fixtures.probes import CollectiveProbe
-from vlmcp_patch.forward.checks import ulysses_of
 from vlmcp_patch.layout import Split, kv_replication_factor
 
 

@@ -3,7 +3,7 @@ proportions, on a packed row of a given length: the step's peak and the longest 
 
     python -m benchmarks.memory [--model qwen3-vl|qwen3.5] [--sample text-heavy|image-heavy|video]
         [--tokens 8192] [--layers 12] [--scale 16] [--gradient-checkpointing] [--sizes 1 2 4 8] [--step sft|grpo]
-        [--stock] [--heads 4]
+        [--stock] [--heads 4] [--loops host device]
     python -m benchmarks.memory --longest 400 [--sample ...] [--gradient-checkpointing]   # MiB per rank
 
 The model has the released model's vocabulary, heads and widths divided by `--scale` (1: the released widths;
@@ -18,32 +18,54 @@ package's own baseline) and filled up to exactly `--tokens` with text:
 
 Memory is counted on the CPU as a GPU would hold it. The step's peak is the peak of live bytes of every tensor
 storage created during forward + backward (`LiveBytes`: a dispatch mode that sees each allocation and its
-release), the parameter gradients left out (they do not depend on P); to it is added what the batch occupies on
-the device during the whole step: at P=1 (and for stock) every tensor of the batch; under CP its integer tensors
-only (ids, labels, positions, grids), because the training integrations leave the pixel values on the host and
-the forward copies each rank's share itself — inside the step, so that copy is in the peak already. It prints,
-for the busiest rank, that peak and R = P x peak(rank) / peak(P=1) (1.0: a perfect 1/P split), the bytes autograd
-saves for backward, the vision patches the rank encoded against a perfect split, the tokens it held, and the
-step's wall-clock; with `--stock`, stock transformers on the same row beside P=1 (its sdpa builds an S x S mask
-for a packed row: slow on long rows).
+release), the parameter gradients left out (they do not depend on P). Each P runs the step for two kinds of
+training loop (`--loops`, both by default; one process, a fresh count each):
+
+* host — the training integrations' loop (HF Trainer, TRL, Accelerate, `vlmcp_patch.batch_to_device`): under
+  CP the pixel values stay on the host and each rank copies its share to its device in the forward. Added to
+  the peak is what the batch occupies on the device during the whole step: at P=1 (and for stock) every tensor
+  of the batch; under CP its integer tensors only (ids, labels, positions, grids). The share's copy is made inside
+  the step, so it is in the peak already: on this CPU the host is the device, so `HostPixels` turns each rank's
+  `.to(device)` of its pixel share into the copy a GPU makes;
+* device — the loop most people write, `batch = {k: v.to(device) ...}`: the whole batch, pixels included, is on
+  the device before the step, on every rank. It is the caller's, the same at every P, and left out on both sides:
+  the peak is what the step adds (a rank's pixel share is then a view).
+
+It prints, for the busiest rank and each loop, that peak and R = P x peak(rank) / peak(P=1) (1.0: a perfect 1/P
+split), and for the host loop the bytes autograd saves for backward (the caller's batch left out), the vision
+patches the rank encoded against a perfect split, the tokens it held, and the step's wall-clock; with `--stock`,
+stock transformers on the same row beside P=1 (its sdpa builds an S x S mask for a packed row: slow on long rows).
 
 `--longest MIB` grows the row at each P until the busiest rank's peak crosses MIB (doubling, then bisecting to
-within 2%; every probe a real step) and prints the longest row that fits and its ratio to P=1's.
+within 2%; every probe a real step, the first of `--loops`) and prints the longest row that fits and its ratio to
+P=1's.
 `--dry-run`: the tiny test models on short rows (seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-from benchmarks.common import MIB, MODELS, LiveBytes, ModuleStack, SavedTensors, build_benchmark_model, timed
-from benchmarks.common import real_image_processor
+from benchmarks.common import (
+    MIB,
+    MODELS,
+    LiveBytes,
+    ModuleStack,
+    SavedTensors,
+    build_benchmark_model,
+    real_image_processor,
+    timed,
+)
 from tests.helpers.harness import run_distributed
 from vlmcp_patch.fixtures.data import Segment, make_packed_batch
 
 NOT_SHRINKING = 1.2
+LOOPS = ("host", "device")
+PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
 S = Segment
 # One sample of each kind, pictures sized for a patch-16 tower (scaled with the patch, so the token counts stay).
 PATTERNS = {
@@ -76,10 +98,29 @@ def row_of(sample: str, tokens: int, patch: int, tiny: bool = False) -> dict:
     return make_packed_batch(layout, seed=0, processor=processor)[0]
 
 
-def batch_device_bytes(batch: dict, cp_size: int) -> int:
-    """What the batch occupies on a rank's device during the step (module docstring)."""
+def batch_device_bytes(batch: dict, cp_size: int, loop: str) -> int:
+    """What the caller's batch occupies on a rank's device during the step, as counted (module docstring): nothing
+    for the device loop (left out on both sides); for the host loop every tensor at P=1, the integer ones under
+    CP."""
+    if loop == "device":
+        return 0
     return sum(t.numel() * t.element_size() for k, t in batch.items()
                if torch.is_tensor(t) and (cp_size == 1 or not t.is_floating_point()))
+
+
+class HostPixels(TorchFunctionMode):
+    """The host loop on a CPU: a `.to(...)` of (a view of) the batch's pixel values copies, as the move from the host
+    to a GPU does; everything else runs as it is."""
+
+    def __init__(self, batch: dict):
+        super().__init__()
+        self.storages = {batch[k].untyped_storage().data_ptr() for k in PIXEL_KEYS if torch.is_tensor(batch.get(k))}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and args and args[0].untyped_storage().data_ptr() in self.storages:
+            kwargs = {**kwargs, "copy": True}
+        return func(*args, **kwargs)
 
 
 def _model(args: argparse.Namespace):
@@ -93,10 +134,10 @@ def _model(args: argparse.Namespace):
 
 
 def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, stock: bool = False) -> dict:
-    """One forward + backward of the row on this rank (`grpo`: a GRPO scoring step, policy and reference): peak
-    bytes (batch included), saved bytes by module, vision patches encoded, tokens held, time."""
+    """One forward + backward of the row on this rank (`grpo`: a GRPO scoring step, policy and reference) for each
+    loop of `args.loops`: {loop: peak bytes (the batch as counted for that loop), saved bytes by module, vision
+    patches encoded, tokens held, time}."""
     import vlmcp_patch
-    from vlmcp_patch.stats import STATS
 
     torch.manual_seed(0)
     model = _model(args)
@@ -108,14 +149,27 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, s
     if stock:
         vlmcp_patch.revert()
     vlmcp_patch.enable(cp_size=world_size)
+    results = {}
+    for loop in args.loops:
+        model.zero_grad(set_to_none=True)  # each loop's step allocates its gradients anew
+        results[loop] = _one_step(model, reference, batch, args, loop, world_size, stock)
+    return results
+
+
+def _one_step(model, reference, batch: dict, args, loop: str, world_size: int, stock: bool) -> dict:
+    """One counted step of `measure` for `loop` (module docstring)."""
+    from vlmcp_patch.stats import STATS
+
     STATS.drain()
+    inputs = [v for v in batch.values() if torch.is_tensor(v)]
     modules = ModuleStack(model)
-    saved = SavedTensors(model, modules)
+    saved = SavedTensors(model, modules, inputs)
     weights = [*model.parameters(), *model.buffers(), *(reference.parameters() if reference is not None else ())]
-    live = LiveBytes([*weights, *(v for v in batch.values() if torch.is_tensor(v))])
+    live = LiveBytes([*weights, *inputs])
+    host = HostPixels(batch) if loop == "host" and world_size > 1 else contextlib.nullcontext()
 
     def step():
-        with modules, saved.recording(), live:
+        with modules, saved.recording(), live, host:
             loss = model(**batch).loss if reference is None else grpo_scoring_loss(model, reference, batch)
             loss.backward()
         return loss
@@ -127,7 +181,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, s
     return {
         "saved": saved.total,
         "saved_by_module": dict(saved.by_module),
-        "peak": live.peak(excluded=grads) + batch_device_bytes(batch, 1 if stock else world_size),
+        "peak": live.peak(excluded=grads) + batch_device_bytes(batch, 1 if stock else world_size, loop),
         "vision_patches": facts.get("cp_vision_patches_per_rank", patches),
         "all_patches": patches,
         "tokens_per_rank": facts.get("cp_tokens_per_rank", batch["input_ids"].shape[1]),
@@ -192,46 +246,61 @@ def not_shrinking(reference: dict, per_rank: list[dict], size: int) -> list[tupl
 
 
 def _run(args, size: int, tokens: int, stock: bool = False) -> list[dict]:
+    """Per rank: {loop: its step's result} (`measure`)."""
     return run_distributed(measure, size, args, tokens, stock, timeout=7200)
 
 
+def _of(per_rank: list[dict], loop: str) -> list[dict]:
+    return [r[loop] for r in per_rank]
+
+
 def peak_table(args) -> None:
-    stock = _run(args, 1, args.tokens, stock=True)[0] if args.stock and args.step == "sft" else None
-    results = {p: _run(args, p, args.tokens) for p in args.sizes}
-    reference = results[min(results)][0]
+    first, others = args.loops[0], args.loops[1:]
+    stock = _run(args, 1, args.tokens, stock=True)[0][first] if args.stock and args.step == "sft" else None
+    runs = {p: _run(args, p, args.tokens) for p in args.sizes}
+    base = min(runs)
+    results = {p: _of(per_rank, first) for p, per_rank in runs.items()}
+    reference = results[base][0]
     heads = f", {args.heads} query heads" if args.heads else ""
     print(f"{args.model} ({args.layers} layers, widths / {args.scale}{heads}), {args.sample}, "
           f"{'gradient checkpointing' if args.gradient_checkpointing else 'no checkpointing'}, step {args.step}: "
-          f"{reference['tokens']} tokens, {reference['all_patches']} vision patches")
-    print(f"{'P':>9} {'peak MiB':>9} {'R peak':>7} {'saved MiB':>10} {'R saved':>8} {'patches':>8} {'patch ratio':>11}"
-          f" {'tokens/rank':>11} {'step s':>7}")
+          f"{reference['tokens']} tokens, {reference['all_patches']} vision patches; loops: {', '.join(args.loops)} "
+          "(the first one's peak, R and saved bytes first)")
+    other_headers = "".join(f" {loop + ' MiB':>11} {'R ' + loop:>8}" for loop in others)
+    print(f"{'P':>9} {'peak MiB':>9} {'R peak':>7}" + other_headers
+          + f" {'saved MiB':>10} {'R saved':>8} {'patches':>8} {'patch ratio':>11} {'tokens/rank':>11} {'step s':>7}")
     if stock is not None:
-        print(f"{'1 stock':>9} {stock['peak'] / MIB:>9.1f} {'':>7} {stock['saved'] / MIB:>10.1f} {'':>8} "
-              f"{stock['vision_patches']:>8.0f} {'':>11} {stock['tokens_per_rank']:>11.0f} {stock['seconds']:>7.1f}")
+        print(f"{'1 stock':>9} {stock['peak'] / MIB:>9.1f} {'':>7}" + "".join(f" {'':>11} {'':>8}" for _ in others)
+              + f" {stock['saved'] / MIB:>10.1f} {'':>8} {stock['vision_patches']:>8.0f} {'':>11} "
+              f"{stock['tokens_per_rank']:>11.0f} {stock['seconds']:>7.1f}")
     for size, per_rank in results.items():
         peak, saved = _busiest(per_rank, "peak"), _busiest(per_rank, "saved")
         patches = _busiest(per_rank, "vision_patches")
         patch_ratio = size * patches / reference["all_patches"] if reference["all_patches"] else float("nan")
-        print(f"{size:>9} {peak / MIB:>9.1f} {size * peak / reference['peak']:>7.3f} {saved / MIB:>10.1f} "
-              f"{size * saved / reference['saved']:>8.3f} {patches:>8.0f} {patch_ratio:>11.3f} "
+        other_columns = ""
+        for loop in others:
+            mine, theirs = _busiest(_of(runs[size], loop), "peak"), _busiest(_of(runs[base], loop), "peak")
+            other_columns += f" {mine / MIB:>11.1f} {size * mine / theirs:>8.3f}"
+        print(f"{size:>9} {peak / MIB:>9.1f} {size * peak / reference['peak']:>7.3f}{other_columns} "
+              f"{saved / MIB:>10.1f} {size * saved / reference['saved']:>8.3f} {patches:>8.0f} {patch_ratio:>11.3f} "
               f"{_busiest(per_rank, 'tokens_per_rank'):>11.0f} {_busiest(per_rank, 'seconds'):>7.1f}")
     for size, per_rank in results.items():
         print(f"split: P={size} -> {_busiest(per_rank, 'tokens_per_rank'):.0f} tokens per rank of "
               f"{reference['tokens']}")
     for size, per_rank in results.items():
-        if size == 1:
+        if size == base:
             continue
         rows = not_shrinking(reference, per_rank, size)
         print(f"saved tensors that do not shrink at P={size} (P x busiest rank > {NOT_SHRINKING} x P=1):"
               + ("" if rows else " none"))
-        for kind, base, mine, ratio in rows:
-            print(f"  {kind:60s} P=1 {base:8.2f} MiB  rank {mine:8.2f} MiB  ratio {ratio:5.2f}")
+        for kind, base_mib, mine, ratio in rows:
+            print(f"  {kind:60s} P=1 {base_mib:8.2f} MiB  rank {mine:8.2f} MiB  ratio {ratio:5.2f}")
 
 
 def longest_row(args, size: int, budget: int) -> tuple[int, float]:
     """(longest row whose busiest-rank peak stays within `budget` bytes, its peak): doubling, then bisecting."""
     def fits(tokens):
-        peak = _busiest(_run(args, size, tokens), "peak")
+        peak = _busiest(_of(_run(args, size, tokens), args.loops[0]), "peak")
         print(f"  P={size} {tokens:>7} tokens: peak {peak / MIB:8.1f} MiB {'fits' if peak <= budget else 'over'}",
               flush=True)
         return peak <= budget, peak
@@ -279,6 +348,9 @@ def main() -> None:
     parser.add_argument("--stock", action="store_true", help="also stock transformers at P=1 on the same row")
     parser.add_argument("--longest", type=float, help="MiB per rank: the longest row that fits, at each P")
     parser.add_argument("--start", type=int, default=1024, help="--longest: the first probe, tokens per rank")
+    parser.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS,
+                        help="host: the integrations' loop, pixel values on the host under CP; device: the whole "
+                        "batch moved to the device by the caller (module docstring)")
     parser.add_argument("--dry-run", action="store_true", help="the tiny test models on short rows")
     args = parser.parse_args()
     if args.dry_run:

@@ -18,7 +18,7 @@ import torch
 from vlmcp_patch.context import CPContext
 from vlmcp_patch.distributed import CPGroup
 from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config
-from vlmcp_patch.forward.checks import plan_batch
+from vlmcp_patch.forward.plan import plan_forward
 from vlmcp_patch.forward.rows import lay_out
 from vlmcp_patch.layout import round_up, shard_slice
 
@@ -41,12 +41,12 @@ def contiguous_slices(mask: torch.Tensor, size: int) -> list[tuple[int, int]]:
 
 def padding_free(batch: dict, size: int) -> list[tuple[int, int]]:
     call = dict(batch)
-    plan, problem = plan_batch(build_model(tiny_qwen3_5_config(text_only=True)), call, packed=False)
-    assert problem is None, problem
-    segments, rows = lay_out(call, plan)
+    plan = plan_forward(build_model(tiny_qwen3_5_config(text_only=True)), call, CPGroup(group=None, rank=0, size=size))
+    assert plan.refusal is None, plan.refusal
+    row = lay_out(call, plan)
     out = []
     for rank in range(size):
-        ctx = CPContext(cp=CPGroup(group=None, rank=rank, size=size), segments=segments, rows=rows)
+        ctx = CPContext(cp=CPGroup(group=None, rank=rank, size=size), segments=row.segments, rows=row.rows)
         out.append((ctx.local_pad_len, ctx.local_len))
     return out
 

@@ -102,7 +102,7 @@ def _timed_step(model, batch: dict, agreement: dict) -> dict:
 
 def _timed_agreement(top_level) -> dict:
     """Time spent in the batch agreement (checks, fingerprints, its collective) of the CP forwards."""
-    record, agree = {"seconds": 0.0}, top_level.agree_on_batch
+    record, agree = {"seconds": 0.0}, top_level.agree
 
     def timed_agree(*args, **kwargs):
         start = time.perf_counter()
@@ -111,7 +111,7 @@ def _timed_agreement(top_level) -> dict:
         finally:
             record["seconds"] += time.perf_counter() - start
 
-    top_level.agree_on_batch = timed_agree
+    top_level.agree = timed_agree
     return record
 
 

@@ -55,6 +55,7 @@ DIFFERING = {
     "different_num_items_in_batch": ("CPInputError", "num_items_in_batch differ", "data-parallel replicas"),
     "different_weights": ("UnsupportedSetupError", "weights differ", ""),
     "bf16_on_one_rank": ("UnsupportedSetupError", "dtype differs", ""),
+    "vision_dp_off_on_one_rank": ("UnsupportedSetupError", "planned this forward differently", "VLMCP_*"),
 }
 RUNS = [
     "use_cache_true", "subclass_of_a_supported_model", "sequence_shorter_than_p", "labels_all_ignored", "left_padding",

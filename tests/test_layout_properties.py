@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,9 +12,9 @@ from vlmcp_patch.collator import pack_into_bins
 from vlmcp_patch.context import CPContext, RowLayout
 from vlmcp_patch.distributed import CPGroup
 from vlmcp_patch.forward.agreement import tensor_fingerprint
-from vlmcp_patch.forward.vision import VisionShare
 from vlmcp_patch.layout import (
-    assign_to_ranks,
+    VisionShare,
+    contiguous_ranks,
     kv_replication_factor,
     positions_restarting_at,
     round_up,
@@ -83,11 +85,23 @@ def test_padding_free_rows_round_trip(rows, extra):
 
 @FAST
 @given(costs=st.lists(st.integers(min_value=1, max_value=400), min_size=1, max_size=20), size=sizes)
-def test_assignment_is_balanced(costs, size):
-    ranks = assign_to_ranks(costs, size)
+def test_assignment_is_contiguous_and_as_balanced_as_runs_allow(costs, size):
+    ranks = contiguous_ranks(costs, size)
     assert all(0 <= r < size for r in ranks)
+    assert ranks == sorted(ranks), "each rank's units are one run"
     loads = [sum(c for c, r in zip(costs, ranks) if r == rank) for rank in range(size)]
-    assert max(loads) <= sum(costs) / size + max(costs)  # list scheduling's bound (LPT does better)
+    assert max(loads) <= sum(costs) / size + max(costs)
+    assert max(loads) == _lightest_busiest_run(costs, size)
+
+
+def _lightest_busiest_run(costs: list[int], size: int) -> int:
+    """The smallest busiest-run load over every split of `costs` into at most `size` contiguous runs (by DP)."""
+    prefix = [0, *itertools.accumulate(costs)]
+    best = [0] + [float("inf")] * len(costs)  # best[end]: units [0, end) in the runs so far
+    for _ in range(size):
+        best = [min(best[end], *(max(best[start], prefix[end] - prefix[start]) for start in range(end))) if end else 0
+                for end in range(len(costs) + 1)]
+    return best[-1]
 
 
 @FAST
@@ -96,13 +110,14 @@ def test_assignment_is_balanced(costs, size):
 def test_vision_units_cover_every_patch_once_in_order(grid, size):
     grid = [list(g) for g in grid]
     share = VisionShare.of(grid, merge=2, size=size)
-    patches = torch.cat([share.local_patches(r, "cpu") for r in range(size) if share.mine(r)])
-    assert sorted(patches.tolist()) == list(range(sum(t * h * w for t, h, w in grid)))
+    rows = [share.patch_rows(r) for r in range(size)]
+    patches = torch.cat([torch.arange(r.start, r.stop) for r in rows])
+    assert patches.tolist() == list(range(sum(t * h * w for t, h, w in grid))), "consecutive ranges, rank by rank"
     # Each rank's tower output holds one merged token per `merge_unit` of its patches, in the order of its units:
     # `held` names them, and over all ranks every merged token is held exactly once (the feature exchange relies
     # on it).
     for rank in range(size):
-        mine = share.local_patches(rank, "cpu") if share.mine(rank) else torch.zeros(0, dtype=torch.long)
+        mine = torch.arange(rows[rank].start, rows[rank].stop)
         assert torch.equal(share.held(rank), mine[:: share.merge_unit] // share.merge_unit)
     held = torch.cat([share.held(r) for r in range(size)])
     assert sorted(held.tolist()) == list(range(sum(t * h * w for t, h, w in grid) // share.merge_unit))

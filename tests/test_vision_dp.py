@@ -1,4 +1,5 @@
-"""Vision data parallelism's pieces: the feature exchange's backward values, and a rank without any image (bf16)."""
+"""Vision data parallelism's pieces: a rank's pixel share (a view where a copy buys nothing), the feature exchange's
+backward values, and a rank without any image (bf16)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,20 @@ import pytest
 import torch
 
 from tests.helpers.harness import run_distributed
+
+
+def test_a_ranks_pixel_share_is_a_view_where_a_copy_buys_nothing():
+    """Pixels already on the tower's device in its dtype: the share is a view (the caller holds the batch anyway).
+    A cast (or a move from the host) copies that range only."""
+    from vlmcp_patch.forward.vision import pixel_share
+
+    pixels = torch.randn(40, 6)
+    same = pixel_share(pixels, slice(8, 24), {"device": pixels.device, "dtype": pixels.dtype})
+    assert torch.equal(same, pixels[8:24])
+    assert same.untyped_storage().data_ptr() == pixels.untyped_storage().data_ptr()
+    cast = pixel_share(pixels, slice(8, 24), {"device": pixels.device, "dtype": torch.float64})
+    assert torch.equal(cast, pixels[8:24].double())
+    assert cast.untyped_storage().nbytes() == 16 * 6 * 8  # the range, not the batch
 
 
 def exchange_backward(rank: int, world_size: int) -> dict:

@@ -35,8 +35,8 @@ from .integrations import vision_placeholder as _vision_placeholder  # noqa: E40
 from .integrations.placement import batch_to_device  # noqa: E402
 from .integrations.setup import check_cp_setup  # noqa: E402
 from .logprobs import token_log_probs  # noqa: E402
-from .patching import PATCHES  # noqa: E402
-from .settings import SETTINGS, cp_size, enable, env_flag  # noqa: E402
+from .patching import PATCHES, cp_size  # noqa: E402
+from .settings import SETTINGS, enable, env_flag  # noqa: E402
 from .supported import supported_class_names  # noqa: E402
 
 __version__ = "0.2.0"

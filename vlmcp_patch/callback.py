@@ -6,7 +6,7 @@ from transformers import TrainerCallback
 
 from .distributed import data_parallel_world_size
 from .integrations.setup import check_cp_setup
-from .settings import cp_size
+from .patching import cp_size
 from .stats import STATS
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .collectives import CollectiveOrder
 from .distributed import CPGroup, HybridGroups, gather_sequence, hybrid_groups
 from .flags import scoped
-from .layout import Segment, Split, cu_seqlens_of
+from .layout import Segment, Split, VisionShare, cu_seqlens_of
 
 CTX_KWARG = "vlmcp_ctx"
 
@@ -76,8 +76,10 @@ class CPContext:
     rows: RowLayout | None = None  # the caller's batch, when it was not already the row
     ulysses: int = 0
     # Row positions (1D, ascending) of each modality's placeholder tokens ("image", "video"): the vision features
-    # go to the rank whose slice holds their token (`forward.vision`).
+    # go to the rank whose slice holds their token (`forward.vision`); and how the ranks share each modality's
+    # vision work. Both from the forward's plan (`forward.plan`).
     vision_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    vision_shares: dict[str, VisionShare] = field(default_factory=dict)
     # The caller's 1D cumulative-lengths mask of a packed row, as given: a script's own attention layers read it.
     cumulative_lengths: torch.Tensor | None = None
     decoder_entered: bool = False  # set once by the text decoder that takes this forward (`take_for_decoder`)

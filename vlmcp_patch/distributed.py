@@ -17,7 +17,8 @@ import torch.distributed as dist
 from .collectives import gather_keep_local_grad
 from .errors import UnsupportedSetupError
 from .flags import BYPASS, scoped
-from .settings import SETTINGS, cp_size
+from .patching import cp_size
+from .settings import SETTINGS
 
 _GROUPS: dict[tuple[int, int], object] = {}
 _HYBRID: dict[tuple[int, int, int], dict] = {}  # (world, P, U) -> this rank's Ulysses subgroup and ring

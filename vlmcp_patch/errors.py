@@ -1,5 +1,9 @@
 """Exceptions raised by vlmcp-patch. Each message says what to change."""
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
 
 class VLMCPError(RuntimeError):
     """Base class of every error raised by vlmcp-patch."""
@@ -15,6 +19,18 @@ class UnsupportedSetupError(VLMCPError, ValueError):
 
 class CPInputError(VLMCPError, ValueError):
     """A batch that context parallelism cannot split exactly (or that is malformed)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A reason this rank cannot run a forward, found before compute and raised later on every rank of its group
+    together (`forward/agreement.py`): the error's type and message."""
+
+    error: type
+    message: str
+
+    def raise_it(self):
+        raise self.error(self.message)
 
 
 class CollectiveError(VLMCPError):

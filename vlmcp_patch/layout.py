@@ -1,16 +1,20 @@
 """Pure layout arithmetic: how a sequence is padded and cut over the CP ranks, where packed samples start,
-and how vision items are spread over the ranks. No torch.distributed, no model: property-tested alone.
+and how vision items are spread over the ranks (`VisionShare`). No torch.distributed, no model: property-tested
+alone.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 Segment = tuple[int, int]  # [start, end) of one sample in the packed row
+# Items balance when the busiest rank carries at most this much more than a perfect split.
+BALANCED = 1.1
+# How the ranks of a CP group share a modality's vision work (`VisionShare.method`).
+BY_ITEMS, BY_PATCHES, EVERY_ITEM = "by items", "by patches", "every item on every rank"
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -70,19 +74,36 @@ def split_into_units(costs: Sequence[int], frames: Sequence[int], size: int) -> 
     return units
 
 
-def assign_to_ranks(costs: Sequence[int], size: int) -> list[int]:
-    """Rank of each unit: longest first, each to the least loaded rank (ties: the lowest rank).
+def contiguous_ranks(costs: Sequence[int], size: int) -> list[int]:
+    """Rank of each unit, in runs: rank 0 takes the first units, rank 1 the next, ... (ranks never decrease), with
+    the busiest rank as light as any split into `size` contiguous runs allows.
 
-    Deterministic from the costs alone, so every rank computes the same assignment without communicating.
-    The greedy bound: the busiest rank carries at most (4/3 - 1/(3P)) x the optimum (Graham's LPT).
+    Contiguous runs let a rank read its share of the pixel rows as one range (a view where no copy is needed).
+    The bottleneck is found by bisection, each candidate filled greedily; deterministic from the costs alone, so
+    every rank computes the same assignment without communicating. Bound: the busiest rank carries at most
+    total / size + max(costs) (a greedy fill at that bottleneck closes each run above total / size).
     """
-    ranks = [0] * len(costs)
-    loads = [(0, r) for r in range(size)]
-    heapq.heapify(loads)
-    for unit in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, rank = heapq.heappop(loads)
-        ranks[unit] = rank
-        heapq.heappush(loads, (load + costs[unit], rank))
+    if not costs:
+        return []
+
+    def runs_needed(bottleneck: int) -> int:
+        runs, load = 1, 0
+        for cost in costs:
+            if load + cost > bottleneck:
+                runs, load = runs + 1, 0
+            load += cost
+        return runs
+
+    low, high = max(costs), sum(costs)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if runs_needed(middle) <= size else (middle + 1, high)
+    ranks, rank, load = [], 0, 0
+    for cost in costs:
+        if load + cost > low:
+            rank, load = rank + 1, 0
+        ranks.append(rank)
+        load += cost
     return ranks
 
 
@@ -159,3 +180,94 @@ class Split:
         for rank in range(self.size):
             owner[self.positions(rank)] = rank
         return owner
+
+
+@dataclass(frozen=True)
+class VisionShare:
+    """How the ranks share one modality's vision work, decided from its `grid_thw` alone (`decide`).
+
+    `method` is one of: `BY_ITEMS` — the units (whole items, or the temporal patch groups of an item larger than
+    a rank's fair share) in contiguous runs, rank 0 first, so each rank's units are one range of patch rows;
+    `BY_PATCHES` — the patches of all items cut into `size` equal contiguous runs of whole merged tokens (when the
+    items cannot balance); `EVERY_ITEM` — vision data parallelism off, every rank encodes everything.
+    """
+
+    units: list[tuple[int, int, int, int, int]]  # (first patch, patches, frames, height, width), in order
+    ranks: list[int]
+    merge_unit: int  # patches per merged token
+    size: int
+    method: str = BY_ITEMS
+
+    @classmethod
+    def of(cls, grid: list[list[int]], merge: int, size: int) -> VisionShare:
+        """The share by items (`BY_ITEMS`) of a grid [(t, h, w), ...] over `size` ranks, merge size `merge`."""
+        costs = [t * h * w for t, h, w in grid]
+        offsets = [sum(costs[:i]) for i in range(len(costs))]
+        units = []
+        for item, first, frames in split_into_units(costs, [t for t, _, _ in grid], size):
+            _, h, w = grid[item]
+            units.append((offsets[item] + first * h * w, frames * h * w, frames, h, w))
+        return cls(units, contiguous_ranks([u[1] for u in units], size), merge * merge, size)
+
+    @classmethod
+    def decide(cls, grid: list[list[int]], merge: int, size: int, heads: int, data_parallel: bool) -> VisionShare:
+        """The share a CP forward uses: by items when they balance, by patches when they do not and the tower's
+        `heads` split over the ranks (every vision attention then exchanges sequence for heads), by items anyway
+        otherwise; every item on every rank without vision data parallelism."""
+        share = cls.of(grid, merge, size)
+        if not data_parallel:
+            return replace(share, method=EVERY_ITEM)
+        if share.balanced() or heads % size:
+            return share
+        return replace(share, method=BY_PATCHES)
+
+    @classmethod
+    def decide_each(cls, grids: dict[str, torch.Tensor], vision_config, size: int,
+                    data_parallel: bool) -> dict[str, VisionShare]:
+        """`decide` for each modality's grid (items, 3); `vision_config` gives the merge size and the tower's heads
+        (unread when there is no grid)."""
+        return {kind: cls.decide(grid.tolist(), vision_config.spatial_merge_size, size, vision_config.num_heads,
+                                 data_parallel) for kind, grid in grids.items()}
+
+    def mine(self, rank: int) -> list[int]:
+        return [i for i, r in enumerate(self.ranks) if r == rank]
+
+    def patches_per_rank(self) -> list[int]:
+        loads = [0] * self.size
+        for (_, patches, *_), rank in zip(self.units, self.ranks):
+            loads[rank] += patches
+        return loads
+
+    def balanced(self) -> bool:
+        loads = self.patches_per_rank()
+        return max(loads) * self.size <= BALANCED * sum(loads)
+
+    def patch_rows(self, rank: int) -> slice:
+        """The pixel rows of rank `rank`'s units (by items): one contiguous range (empty when it has none)."""
+        mine = self.mine(rank)
+        if not mine:
+            return slice(0, 0)
+        first, (start, patches, *_) = self.units[mine[0]][0], self.units[mine[-1]]
+        return slice(first, start + patches)
+
+    def local_grid(self, rank: int, device) -> torch.Tensor:
+        return torch.tensor([self.units[i][2:] for i in self.mine(rank)], device=device)
+
+    def held(self, rank: int) -> torch.Tensor:
+        """The merged tokens (indices in the modality's token order) rank `rank` encodes by items, in its output
+        order."""
+        spans = [torch.arange(self.units[i][0], self.units[i][0] + self.units[i][1], self.merge_unit) // self.merge_unit
+                 for i in self.mine(rank)]
+        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
+
+    @property
+    def merged_tokens(self) -> int:
+        return sum(patches for _, patches, *_ in self.units) // self.merge_unit
+
+    def held_by_ranks(self) -> list[torch.Tensor]:
+        """The merged tokens each rank encodes, in its output order (every token exactly once over the ranks):
+        by patches, equal contiguous runs (the last one short)."""
+        if self.method == BY_ITEMS:
+            return [self.held(r) for r in range(self.size)]
+        per_rank = round_up(self.merged_tokens, self.size) // self.size
+        return [torch.arange(r * per_rank, min((r + 1) * per_rank, self.merged_tokens)) for r in range(self.size)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .flags import TOKEN_LOG_PROBS, scoped
-from .forward.checks import is_packed_row, text_positions
+from .forward.batch import is_packed_row, text_positions
 from .forward.top_level import TokenLogProbsOutput
 from .layout import starts_of
 from .loss import IGNORE_INDEX, log_probs_and_entropy_of_logits, shifted_labels

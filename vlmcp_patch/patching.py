@@ -36,6 +36,7 @@ import torch
 import wrapt
 
 from .errors import PatchTargetError
+from .settings import SETTINGS
 
 
 def resolve(dotted: str):
@@ -164,8 +165,6 @@ def patched_function(original: Callable, wrapper: Callable, is_method: bool) -> 
     (Accelerate's mixed precision) or unwraps it through `__wrapped__` (Accelerate's `unwrap_model`) keeps the
     patch, and torch.compile traces it like any function. With CP off, a traced call goes straight to the
     original, so a compiled model's graph is stock's."""
-    from .settings import cp_size  # settings imports this module
-
     if is_method:
         def replacement(self, *args, **kwargs):
             if torch.compiler.is_compiling() and cp_size() == 1:
@@ -417,3 +416,10 @@ class PatchSet:
 
 # The package's patches: filled by the modules that declare them, applied by `vlmcp_patch.apply()`.
 PATCHES = PatchSet()
+
+
+def cp_size() -> int:
+    """The CP size in effect: the configured one (`settings.SETTINGS`) while the package is applied, 1 when it is off
+    (`VLMCP_DISABLE=1`, `revert()`). It lives here, beside the record of what is applied, so that settings.py needs
+    nothing of the package and no import runs in a circle."""
+    return SETTINGS.cp_size if PATCHES.active else 1

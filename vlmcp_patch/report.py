@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from .settings import SETTINGS, cp_size
+from .patching import cp_size
+from .settings import SETTINGS
 from .supported import supported_class_names
 
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "trl", "peft")
@@ -81,7 +82,7 @@ def layout() -> list[str]:
 
 def model_layout(text_config, sizes) -> list[str]:
     """How a model's heads split at each CP size: U ranks exchange sequence for heads, R subgroups form a ring."""
-    from .forward.checks import has_deltanet, ulysses_of
+    from .attention.heads import has_deltanet, ulysses_of
 
     heads = f"{text_config.num_attention_heads} query heads"
     if has_deltanet(text_config):

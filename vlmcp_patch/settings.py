@@ -1,5 +1,8 @@
 """User-facing configuration, read from the environment at import and changed at run time by `enable()`.
 
+Pure configuration: it imports nothing of the package but its errors. The CP size *in effect* (the configured one
+while the package is applied, 1 when it is not) is `patching.cp_size`, next to the record of what is applied.
+
 | variable | `enable()` keyword | default | meaning |
 |---|---|---|---|
 | `VLMCP_CP_SIZE` | `cp_size` | 1 | ranks per CP group (1: CP off) |
@@ -20,7 +23,6 @@ import os
 from dataclasses import dataclass
 
 from .errors import UnsupportedSetupError
-from .patching import PATCHES
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -130,8 +132,3 @@ def enable(
         setattr(SETTINGS, f.name, getattr(new, f.name))
     return SETTINGS
 
-
-def cp_size() -> int:
-    """The CP size in effect: the configured one while the package is applied, 1 when it is off
-    (`VLMCP_DISABLE=1`, `revert()`)."""
-    return SETTINGS.cp_size if PATCHES.active else 1

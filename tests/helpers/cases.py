@@ -132,7 +132,7 @@ def vision_exchanges(batch: dict, cp_size: int, checkpointing: bool = False, fro
     token (and its reverse in backward, unless the tower is frozen); for the modalities that encode patch slices
     (items that do not balance over the ranks), also q, k, v and the output of every vision block, forward
     (replayed by gradient checkpointing) and backward (none for a frozen tower)."""
-    from vlmcp_patch.forward.vision import VisionShare
+    from vlmcp_patch.layout import VisionShare
 
     grids = [batch[key].tolist() for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None]
     per_block = 4 * (1 + (not frozen) + (checkpointing and not frozen))

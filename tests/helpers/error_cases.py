@@ -384,6 +384,12 @@ def bf16_on_one_rank(rank):
     return build_model(tiny_qwen3_vl_config(), dtype=torch.bfloat16 if rank else torch.float32), one_sample(), {}
 
 
+@scenario
+def vision_dp_off_on_one_rank(rank):
+    """The same batch and weights, another setting on one rank: the ranks would plan the forward differently."""
+    return vl_model(), one_sample(), {"_vision_dp": rank == 0}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Awkward inputs stock accepts: they run, with the P=1 loss
 
@@ -516,11 +522,11 @@ def run_error_cases(rank: int, world_size: int, names: list[str]) -> dict:
     for name in names:
         model, inputs, extra = SCENARIOS[name](rank)
         size = extra.pop("_cp_size", world_size)
-        vlmcp_patch.enable(cp_size=size)
+        vlmcp_patch.enable(cp_size=size, vision_dp=extra.pop("_vision_dp", True))
         try:
             results[name] = outcome(model, inputs, extra)
         finally:
-            vlmcp_patch.enable(cp_size=1)
+            vlmcp_patch.enable(cp_size=1, vision_dp=True)
         results[name]["p1"] = outcome(model, inputs, extra)
     results["weights_loaded_differently"] = _weights_loaded_differently(rank, world_size)
     # Collectives are still matched after all of that: a normal CP step runs.

@@ -147,7 +147,7 @@ def draw_sweep(seed: int, sizes: list[int], per_size: int) -> dict[int, list[dic
 
 
 def run_sweep(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
-    from vlmcp_patch.forward.checks import ulysses_of
+    from vlmcp_patch.attention.heads import ulysses_of
 
     out = []
     for case in cases:

@@ -71,7 +71,7 @@ def run_ring_cases(rank: int, world_size: int, attn: str = "sdpa") -> dict:
     """Each case of `CASES[world_size]` (`FLASH_CASES` with attn='flash_attention_2') against stock; the stand-in's
     kernel calls of each case are reported."""
     from tests.helpers import flash_standin
-    from vlmcp_patch.forward.checks import ulysses_of
+    from vlmcp_patch.attention.heads import ulysses_of
 
     if attn == "flash_attention_2":
         flash_standin.install()

@@ -1,11 +1,12 @@
-"""How attention heads are divided over the CP ranks, and the tensor axes the exchanges work on."""
+"""How attention heads are divided over the CP ranks (U of the P = U x R layout, KV replication), and the tensor axes
+the exchanges work on."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from ..errors import UnsupportedSetupError
-from ..layout import kv_replication_factor
+from ..layout import kv_replication_factor, ulysses_degree
 
 
 class Axes(NamedTuple):
@@ -33,3 +34,17 @@ def kv_replication(
             f"{what}: {num_heads} {heads} heads are not a multiple of {num_kv_heads} {kv_heads} heads"
         )
     return kv_replication_factor(num_heads, num_kv_heads, cp_size)
+
+
+def has_deltanet(text_config) -> bool:
+    """Whether a text config has gated DeltaNet layers (Qwen3.5)."""
+    return bool(getattr(text_config, "linear_num_value_heads", None))
+
+
+def ulysses_of(text_config, size: int) -> int:
+    """U of the P = U x R layout for a model: the largest divisor of P that splits its query heads (and its DeltaNet
+    value heads); the rest of P is a ring (`layout.Split`)."""
+    heads = [text_config.num_attention_heads]
+    if has_deltanet(text_config):
+        heads.append(text_config.linear_num_value_heads)
+    return ulysses_degree(size, heads)

@@ -20,7 +20,7 @@ from ..collectives import all_to_all, module_site, run_ordered, site
 from ..context import CTX_KWARG, CPContext
 from ..distributed import cp_requested
 from ..errors import UnsupportedSetupError
-from ..settings import cp_size
+from ..patching import cp_size
 from ..supported import unsupported_model_message
 from .foreign import kernel_on_whole_sequence, record_exchange
 from .heads import BHSD, BSHD, kv_replication

@@ -1,11 +1,12 @@
-"""One small collective per CP forward: the ranks of a group agree that they can run it, on the same data.
+"""One small collective per CP forward: the ranks of a group agree that they can run it, on the same data, the
+same way.
 
-Every rank of a CP group must compute on the same micro-batch with the same weights. Before any compute,
-each rank all-gathers one short float64 vector over its group: whether its own checks failed, then a
-fingerprint of every tensor argument of the forward (shape, dtype, device type and two order-sensitive
-weighted sums of the values), the model's dtype, and — at the first CP forward of a model and after each
-`load_state_dict` — a checksum of its parameters. A difference raises on every rank at once, naming the
-argument and its likely cause.
+Every rank of a CP group must compute on the same micro-batch with the same weights, and take the same path with
+it. Before any compute, each rank all-gathers one short float64 vector over its group: whether its plan holds a
+refusal, the model's dtype, at the first CP forward of a model and after each `load_state_dict` a checksum of its
+parameters, a digest of its plan (`ForwardPlan.digest`: path, row, split, vision shares, attention), then a
+fingerprint of every tensor argument of the forward (shape, dtype, device type and two order-sensitive weighted
+sums of the values). A difference raises on every rank at once, naming the argument and its likely cause.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..collectives import all_gather_small
-from ..distributed import CPGroup, is_partitioned
+from ..distributed import is_partitioned
 from ..errors import CPInputError, UnsupportedSetupError
-from .arguments import batch_device
-from .checks import Problem
+from .plan import ForwardPlan
 
 # The forward arguments fingerprinted in their own slot; any other tensor argument shares the last one.
 FIELDS = (
@@ -30,7 +30,7 @@ FIELDS = (
 )
 OTHER = "other tensor arguments"
 PER_FIELD = 4  # present, meta (shape / dtype / device type), two weighted sums
-HEADER = 5  # failed, model dtype, weights checked, two weight sums
+HEADER = 6  # refused, model dtype, weights checked, two weight sums, plan digest
 
 _TOKENS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "mm_token_type_ids", "image_grid_thw",
            "video_grid_thw", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -163,18 +163,21 @@ def _describe(fields: list[str]) -> str:
     return f"{', '.join(fields)} differ between the ranks of this CP group: {hint or SHARDING_HINT}."
 
 
-def agree_on_batch(cp: CPGroup, problem: Problem | None, call: dict, model) -> None:
-    """Raise on every rank of the group if any rank found a problem or got another batch or other weights.
+def agree(plan: ForwardPlan, call: dict, model) -> None:
+    """Raise on every rank of the plan's group if any rank's plan holds a refusal, or a rank got another batch or
+    other weights, or planned another way.
 
-    At P=1 (a packed row) it only raises this rank's own problem.
+    At P=1 it only raises this rank's own refusal.
     """
+    cp, problem = plan.cp, plan.refusal
     if cp.size == 1:
         if problem is not None:
             problem.raise_it()
         return
     weights = weights_fingerprint(model)
-    header = [float(problem is not None), _dtype_code(model), float(weights is not None), *(weights or [0.0, 0.0])]
-    local = torch.tensor(header + batch_fingerprint(call), dtype=torch.float64, device=batch_device(call))
+    header = [float(problem is not None), _dtype_code(model), float(weights is not None), *(weights or [0.0, 0.0]),
+              plan.digest]
+    local = torch.tensor(header + batch_fingerprint(call), dtype=torch.float64, device=plan.device)
     gathered = _Gathered(all_gather_small(local, cp.group, cp.size))
     if problem is not None:
         problem.raise_it()
@@ -204,3 +207,9 @@ def agree_on_batch(cp: CPGroup, problem: Problem | None, call: dict, model) -> N
     differing = [n for i, n in enumerate(names) if gathered.differing(HEADER + i * PER_FIELD, PER_FIELD)]
     if differing:
         raise CPInputError(_describe(differing))
+    if gathered.differing(5, 1):
+        raise UnsupportedSetupError(
+            "the ranks of this CP group planned this forward differently on the same batch (another path, split, "
+            "vision share or attention implementation): configure every process alike (VLMCP_* settings, "
+            "attn_implementation)"
+        )

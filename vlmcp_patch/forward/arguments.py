@@ -1,4 +1,4 @@
-"""A patched call's arguments as one dict, and the tensor that fixes its batch shape and device."""
+"""A patched call's arguments as one dict, and the names of its keys (the questions asked of them are `batch.py`'s)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ import torch
 # The batch's pixel values. Under CP the training integrations leave them on the host (each rank copies its own
 # share to its device: forward/vision.py, integrations/placement.py).
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+# Each modality's arguments: (modality, pixels, grid, the config's placeholder token id).
+VISION = (("image", "pixel_values", "image_grid_thw", "image_token_id"),
+          ("video", "pixel_values_videos", "video_grid_thw", "video_token_id"))
+# A packed row's sample boundaries for flash-attention, as `DataCollatorWithFlattening` gives them.
+CU_SEQ_LENS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # The spellings of the KV-cache argument across the supported transformers: `cache` from 5.24 (`past_key_values`
 # still accepted there, deprecated), `past_key_values` before.
 CACHE_KEYWORDS = ("past_key_values", "cache")
@@ -22,28 +27,6 @@ def call_arguments(wrapped, args, kwargs) -> dict:
     if var_kw is not None:
         call.update(call.pop(var_kw, {}))
     return call
-
-
-def batch_reference(call: dict) -> torch.Tensor | None:
-    """`input_ids`, else `inputs_embeds` (or None): the tensor that fixes a forward's batch shape and device."""
-    return call["input_ids"] if call.get("input_ids") is not None else call.get("inputs_embeds")
-
-
-def batch_device(call: dict) -> torch.device:
-    """Where a forward's batch lives: small control tensors for collectives go there (NCCL takes no CPU ones)."""
-    reference = batch_reference(call)
-    return reference.device if reference is not None else torch.device("cpu")
-
-
-def given_cache(call: dict):
-    """The KV cache a call was given, under whichever spelling (None when there is none)."""
-    return next((call[k] for k in CACHE_KEYWORDS if call.get(k) is not None), None)
-
-
-def has_vision(call: dict) -> bool:
-    """Whether a call carries images or videos (pixels or grids)."""
-    keys = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
-    return any(call.get(k) is not None for k in keys)
 
 
 def pixels_on_device(call: dict, device) -> dict:

@@ -8,7 +8,7 @@ from ..attention.foreign import carry_context_into_foreign_attention
 from ..context import CTX_KWARG, CPContext, take_for_decoder
 from ..distributed import cp_requested
 from ..errors import UnsupportedSetupError
-from ..settings import cp_size
+from ..patching import cp_size
 from ..supported import unsupported_model_message
 from .arguments import CACHE_KEYWORDS, call_arguments
 

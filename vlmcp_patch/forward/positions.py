@@ -1,5 +1,7 @@
-"""Position ids of a batch that comes without them, computed as stock computes them — or, for a packed row,
-as stock computes them for each of its samples alone."""
+"""The positions of a planned batch (`positions_of`): as the caller gave them; for an ordinary batch without them,
+as stock computes them; for a packed row without 3D positions, as stock computes them for each sample alone.
+Stock's own errors on the way (e.g. images without `mm_token_type_ids`) propagate: the plan turns them into the
+batch's refusal."""
 
 from __future__ import annotations
 
@@ -8,15 +10,31 @@ import itertools
 import torch
 
 from ..layout import Segment, positions_restarting_at
-from .arguments import batch_reference, has_vision
+from .batch import BatchReading
+
+# Who computes the positions: given by the caller; computed as stock computes them for the caller's batch; or, for a
+# packed row, the caller's (or restarting) text positions with each sample's mRoPE computed alone.
+BY_CALLER, AS_STOCK, PER_SAMPLE = "the caller", "as stock computes them", "per sample"
 
 
-def stock_positions(model, call: dict) -> torch.Tensor:
+def positions_of(model, call: dict, reading: BatchReading, packed: bool) -> tuple[torch.Tensor, str]:
+    """(position ids (..., batch, seq) on the caller's layout, who computes them) of a batch that passed every
+    rule; `packed`: it is a packed row."""
+    given = call.get("position_ids")
+    if packed and (given is None or given.ndim == 2):
+        multimodal = getattr(model, "model", None)
+        return per_sample_mrope(multimodal, call, reading.segments, given, reading.device,
+                                reading.carries_vision), PER_SAMPLE
+    if given is None:
+        return stock_positions(model, call, reading.shape, reading.device), AS_STOCK
+    return given.expand(*given.shape[:-2], *reading.shape), BY_CALLER
+
+
+def stock_positions(model, call: dict, shape: tuple[int, int], device) -> torch.Tensor:
     """Position ids (..., batch, seq) of an ordinary batch, as stock computes them: 3D mRoPE from the multimodal
     model's own `compute_3d_position_ids` on the caller's batch (its errors and its `rope_deltas` state included),
     else 0, 1, ... along each row (what the text decoder does without positions)."""
-    reference = batch_reference(call)
-    batch, seq = reference.shape[:2]
+    batch, seq = shape
     multimodal = getattr(model, "model", None)
     if hasattr(multimodal, "compute_3d_position_ids"):
         positions = multimodal.compute_3d_position_ids(
@@ -29,7 +47,7 @@ def stock_positions(model, call: dict) -> torch.Tensor:
         )
         if positions is not None:
             return positions
-    return torch.arange(seq, device=reference.device).expand(batch, seq)
+    return torch.arange(seq, device=device).expand(batch, seq)
 
 
 def _frames(video_grid_thw: torch.Tensor) -> torch.Tensor:
@@ -59,17 +77,17 @@ def _mrope_of_samples(multimodal, call: dict, segments: list[Segment]) -> torch.
     return torch.cat(pieces, dim=-1)
 
 
-def per_sample_mrope(multimodal, call: dict, segments: list[Segment], text: torch.Tensor | None) -> torch.Tensor:
-    """Position ids of a packed row: its text positions `text` (1, S) (restarting at every sample when not
-    given), then — with images or videos — each sample's 3D mRoPE computed alone: (4, 1, S). `multimodal` is
-    the module with `get_rope_index` (None for a text-only model).
+def per_sample_mrope(multimodal, call: dict, segments: list[Segment], text: torch.Tensor | None, device,
+                     vision: bool) -> torch.Tensor:
+    """Position ids of a packed row on `device`: its text positions `text` (1, S) (restarting at every sample when
+    not given), then — with images or videos (`vision`) — each sample's 3D mRoPE computed alone: (4, 1, S).
+    `multimodal` is the module with `get_rope_index` (None for a text-only model).
 
     Stock needs `mm_token_type_ids` with `input_ids` for 3D mRoPE and raises its own error without them; with
     embeddings only it has no ids to compute from, and each sample keeps its text positions.
     """
-    device = batch_reference(call).device
     text = positions_restarting_at(segments).to(device)[None] if text is None else text
-    if not has_vision(call) or multimodal is None or call.get("input_ids") is None:
+    if not vision or multimodal is None or call.get("input_ids") is None:
         return text
     if call.get("mm_token_type_ids") is None:
         multimodal.compute_3d_position_ids(  # raises stock's error: token types are needed for 3D mRoPE

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..context import CPContext
-from .checks import VISION, placeholder_tokens
+from .arguments import VISION
 
 # Per-token inputs of the row that the backbone reads, cut to the slice: (name, CP padding value). The ids'
 # padding value is chosen per model (`_text_token`); the padded tokens form a segment of their own after every
@@ -25,20 +25,6 @@ def _text_token(config) -> int:
     as a vision token)."""
     placeholders = {getattr(config, key, None) for _, _, _, key in VISION}
     return next(i for i in range(len(placeholders) + 1) if i not in placeholders)
-
-
-def vision_token_positions(model, call: dict, ctx: CPContext) -> dict[str, torch.Tensor]:
-    """Row positions (1D, ascending, on the batch's device) of the placeholder tokens of each modality the call
-    carries pixels for. `call` is the laid-out row, except `inputs_embeds`, still in the caller's layout."""
-    positions = {}
-    for modality, pixels_key, _, token_key in VISION:
-        if call.get(pixels_key) is None:
-            continue
-        found = placeholder_tokens(model, call, getattr(model.config, token_key))
-        if call.get("input_ids") is None and ctx.rows is not None:
-            found = found.reshape(-1).index_select(0, ctx.rows.index.to(found.device))[None]
-        positions[modality] = found.reshape(-1).nonzero().flatten()
-    return positions
 
 
 def _embeddings_of_slice(embeds: torch.Tensor, ctx: CPContext) -> torch.Tensor:
@@ -55,7 +41,6 @@ def cut_to_slice(model, call: dict, ctx: CPContext) -> None:
     positions (1, local, ...). Labels stay whole (the loss reads this rank's slice of them); the vision inputs
     stay as given, each rank encoding its share (`forward/vision.py`). Copies, not views: a view would keep the
     row's tensor alive until backward."""
-    ctx.vision_tokens = vision_token_positions(model, call, ctx)
     for name, fill in SLICED:
         if call.get(name) is not None:
             fill = _text_token(model.config) if fill is None else fill

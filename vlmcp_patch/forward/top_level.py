@@ -1,17 +1,20 @@
 """The patched user-facing forward (`...ForConditionalGeneration`, `...ForCausalLM`).
 
-Under CP — and at P=1 for a batch in the packed-row convention — one forward:
+Under CP — and at P=1 for a batch in the packed-row convention — one forward, top to bottom:
 
-1. checks the model and the batch against every rule and agrees with the other ranks of the group (one
-   small collective); anything that cannot run exactly raises on every rank before compute;
-2. lays the batch out as one packed row of its real tokens (`rows.py`), creates the `CPContext` and cuts the row
-   to this rank's slice (`slicing.py`: ids, positions, token types; labels and vision inputs stay as given);
-3. runs the stock backbone (`model.model`) on that slice with the context current: each rank encodes its share of
-   the images and receives the features of its slice's placeholder tokens (`vision.py`), stock places them and the
-   deepstack rows on the slice, and the text decoder runs the slice (`decoder.py`); its output comes back as the
-   backbone's `last_hidden_state`;
-4. computes the loss from that slice in chunks, without full-vocabulary logits (`loss.py`), and the logits
-   when they are wanted, gathered and in the caller's batch layout, in the output class stock returns.
+1. **plan** (`plan.py`): the call, the model's config and the CP group become one frozen `ForwardPlan` — the
+   path, the row, the positions, each rank's slice and vision share, the attention layout, or a refusal;
+2. **agree** (`agreement.py`): one small collective over the group; a refusal, another batch, other weights or
+   another plan on any rank raises on every rank before compute;
+3. **lay out** (`rows.py`): the batch becomes one packed row of its real tokens, and the `CPContext` of that row;
+4. **cut** (`slicing.py`): ids, positions and token types become this rank's slice (labels and vision inputs stay
+   as given);
+5. **encode and route vision, decoder** — the stock backbone (`model.model`) runs on that slice with the context
+   current: each rank encodes its planned share of the images and receives the features of its slice's
+   placeholder tokens (`vision.py`), stock places them and the deepstack rows on the slice, and the text decoder
+   runs the slice (`decoder.py`); its output comes back as the backbone's `last_hidden_state`;
+6. **loss** (`loss.py`): from that slice in chunks, without full-vocabulary logits, and the logits when they are
+   wanted, gathered and in the caller's batch layout, in the output class stock returns.
 
 Every other call goes to the stock forward untouched.
 """
@@ -27,21 +30,14 @@ import torch
 from transformers.utils import ModelOutput
 
 from ..context import CPContext
-from ..distributed import SINGLE_RANK, active_cp_group
+from ..distributed import active_cp_group
 from ..flags import BYPASS, FULL_LOGITS, TOKEN_LOG_PROBS
 from ..loss import IGNORE_INDEX, sharded_causal_lm_loss, token_log_probs_and_entropy
 from ..settings import SETTINGS
 from ..stats import STATS
-from .agreement import agree_on_batch
+from .agreement import agree
 from .arguments import call_arguments, pixels_on_device
-from .checks import (
-    cumulative_lengths_mask,
-    is_packed_row,
-    plan_batch,
-    setup_problem,
-    stock_gets_packed_row_right,
-    ulysses_of,
-)
+from .plan import STOCK, plan_forward
 from .rows import lay_out
 from .slicing import cut_to_slice
 
@@ -57,28 +53,19 @@ def full_logits_requested() -> bool:
 
 @torch.compiler.disable  # data-dependent checks, a collective and (once) process-group creation: eager
 def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | None:
-    """Checks, agreement and the packed-row layout of one forward of `model`; its arguments in `call` are
+    """Plan, agreement, the packed-row layout and the cut of one forward of `model`; its arguments in `call` are
     rewritten in place as this rank's slice of the packed row (the vision inputs and the labels as given).
-    Returns the forward's `CPContext`, or None when the call runs stock (CP off and not a packed row, unless
-    `always`).
+    Returns the forward's `CPContext`, or None when the call runs stock (CP off and not a packed row stock gets
+    wrong, unless `always`).
 
     The caller runs the stock backbone inside `ctx.running()`: the top-level forward here, TRL's fused LM
     head (which calls the backbone itself) in integrations/trl.py, `vlmcp_patch.token_log_probs`.
     """
-    cp = active_cp_group()
-    packed = is_packed_row(call)
-    if cp is None:
-        if not (always or (packed and not stock_gets_packed_row_right(model, call))):
-            return None  # P=1: exactly stock
-        cp = SINGLE_RANK  # P=1 packed row stock gets wrong: the same path, no exchanges
-    plan, problem = None, setup_problem(model, cp, call)
-    if problem is None:
-        plan, problem = plan_batch(model, call, packed)
-    agree_on_batch(cp, problem, call, model)
-    cumulative = call["attention_mask"] if cumulative_lengths_mask(call) else None
-    segments, rows = lay_out(call, plan)
-    ulysses = ulysses_of(model.config.get_text_config(), cp.size)
-    ctx = CPContext(cp=cp, segments=segments, rows=rows, ulysses=ulysses, cumulative_lengths=cumulative)
+    plan = plan_forward(model, call, active_cp_group(), always)
+    if plan.path == STOCK:
+        return None  # exactly stock
+    agree(plan, call, model)  # a refusal raises here, on every rank of the group
+    ctx = lay_out(call, plan)
     ctx.groups  # the ring's process groups, created on every rank now (collective), before any compute
     cut_to_slice(model, call, ctx)
     STATS.record(ctx)

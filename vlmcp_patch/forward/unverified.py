@@ -4,7 +4,7 @@ On a transformers release newer than those the package was checked on, a target 
 digest, a parameter gone). `PatchSet` then leaves that family stock and installs only `unverified_guard` on its
 top-level forwards: with CP off (or inside `vlmcp_patch.disabled()`) the call goes to stock untouched; under CP
 the first forward raises on every rank of the group before any compute (the agreement collective), naming the
-targets, the installed release and the newest release checked. `setup_problem` gives the same refusal to the
+targets, the installed release and the newest release checked. `refusals.check_setup` gives the same refusal to the
 entry points that enter the CP forward themselves (TRL's fused head, `token_log_probs`).
 """
 
@@ -14,11 +14,11 @@ import transformers
 
 from ..compat import NEWEST
 from ..distributed import active_cp_group
-from ..errors import PatchTargetError
+from ..errors import PatchTargetError, Problem
 from ..flags import BYPASS
-from .agreement import agree_on_batch
+from .agreement import agree
 from .arguments import call_arguments
-from .checks import Problem
+from .plan import CP, ForwardPlan
 
 
 def unverified_message(family: str) -> str | None:
@@ -56,7 +56,7 @@ def unverified_guard(family: str):
             call = call_arguments(wrapped, args, kwargs)
         except TypeError:  # the target's signature changed: fingerprint what was passed by keyword
             call = dict(kwargs)
-        agree_on_batch(cp, problem, call, instance)  # raises on every rank of the group
-        problem.raise_it()  # not reached: agree_on_batch raised this rank's problem
+        agree(ForwardPlan(CP, cp, refusal=problem, device=instance.device), call, instance)  # raises on every rank
+        problem.raise_it()  # not reached: agree raised this rank's problem
 
     return guard

@@ -6,19 +6,23 @@ CP forward it returns the features of the placeholder tokens of this rank's slic
 stock's placement (`get_placeholder_mask`, `masked_scatter`, the deepstack rows) then consumes on the slice of
 ids and embeddings the backbone was given (`slicing.cut_to_slice`). Three steps:
 
-1. **share** — which merged tokens each rank encodes, decided from `grid_thw` alone (every rank decides the same
-   without communicating):
+1. **share** — which merged tokens each rank encodes: the plan's `layout.VisionShare` of the modality
+   (`plan.py`), decided from `grid_thw` alone before anything runs (every rank decides the same without
+   communicating):
    * **by items** (`encode_items`), when they balance: whole images and videos, or the temporal patch groups
      of an item larger than one rank's fair share (the tower attends within each group, so they encode
-     independently), assigned longest first to the least loaded rank; each rank runs the stock tower on its
-     units (patch embedding, blocks, merger, deepstack mergers);
+     independently), in contiguous runs — rank 0 the first units, rank 1 the next, ... — as evenly as contiguous
+     runs allow (`layout.contiguous_ranks`); each rank runs the stock tower on its units (patch embedding, blocks,
+     merger, deepstack mergers);
    * **by patches** (`encode_patch_slices`), when items cannot balance (fewer images than ranks, one image
      larger than a rank's share): the patches of all items are cut into P equal contiguous slices (whole merged
      tokens each) and every vision attention exchanges sequence for heads (the Ulysses exchange of the decoder,
      non-causal, within each image's attention segments), so even a single large image scales with P;
    * with vision data parallelism off (`VLMCP_VISION_DP=0`), every rank encodes every item.
-2. **pixels** — a rank copies only its share of the pixel rows to the tower's device, cast once to the
-   tower's dtype; the caller's pixel values may stay on the host (`placement.py`).
+2. **pixels** (`pixel_share`) — either way a rank's share is one contiguous range of pixel rows. It is a view
+   when the pixels already have the tower's device and dtype (the caller keeps them alive anyway, so a copy
+   would only add memory: the patch embedding saves its input for backward), and a copy of that range only when
+   they come from the host (`placement.py`) or need a cast.
 3. **route** (`route_to_owners`) — one all-to-all with uneven splits sends each merged token's features (merged
    and every deepstack level side by side) to the rank that holds its placeholder token. Its backward is the
    reverse exchange: each rank back-propagates the complete gradient of the features it encoded, and the vision
@@ -32,7 +36,6 @@ weights see the same module calls on every rank. No rank holds a feature of a to
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import torch
 
@@ -40,13 +43,10 @@ from ..collectives import exchange_rows, site
 from ..context import CTX_KWARG, CPContext, current_cp_forward
 from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
-from ..layout import assign_to_ranks, round_up, segments_from_lengths, shard_slice, split_into_units
-from ..settings import SETTINGS
+from ..layout import BY_ITEMS, EVERY_ITEM, VisionShare, round_up, segments_from_lengths, shard_slice
 from ..stats import STATS
 from .arguments import call_arguments
 
-# Items balance when the busiest rank carries at most this much more than a perfect split.
-BALANCED = 1.1
 # Keyword arguments that precompute per-patch tables for the whole batch: under CP each rank computes those of
 # its own share from its grid instead (they are functions of the grid).
 WHOLE_BATCH_TABLES = ("interp_indices", "interp_weights", "position_ids", "cu_seqlens", "max_seqlen")
@@ -58,52 +58,6 @@ def placeholder_vision_inputs(vision_config, device, dtype) -> tuple[torch.Tenso
     width = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
     pixels = torch.zeros(merge * merge, width, device=device, dtype=dtype)
     return pixels, torch.tensor([[1, merge, merge]], device=device)
-
-
-@dataclass(frozen=True)
-class VisionShare:
-    """The vision units of one forward (whole items, or temporal patch groups) and the rank each is encoded on."""
-
-    units: list[tuple[int, int, int, int, int]]  # (first patch, patches, frames, height, width), in order
-    ranks: list[int]
-    merge_unit: int  # patches per merged token
-    size: int
-
-    @classmethod
-    def of(cls, grid: list[list[int]], merge: int, size: int) -> VisionShare:
-        costs = [t * h * w for t, h, w in grid]
-        offsets = [sum(costs[:i]) for i in range(len(costs))]
-        units = []
-        for item, first, frames in split_into_units(costs, [t for t, _, _ in grid], size):
-            _, h, w = grid[item]
-            units.append((offsets[item] + first * h * w, frames * h * w, frames, h, w))
-        return cls(units, assign_to_ranks([u[1] for u in units], size), merge * merge, size)
-
-    def mine(self, rank: int) -> list[int]:
-        return [i for i, r in enumerate(self.ranks) if r == rank]
-
-    def patches_per_rank(self) -> list[int]:
-        loads = [0] * self.size
-        for (_, patches, *_), rank in zip(self.units, self.ranks):
-            loads[rank] += patches
-        return loads
-
-    def balanced(self) -> bool:
-        loads = self.patches_per_rank()
-        return max(loads) * self.size <= BALANCED * sum(loads)
-
-    def local_patches(self, rank: int, device) -> torch.Tensor:
-        spans = [torch.arange(self.units[i][0], self.units[i][0] + self.units[i][1]) for i in self.mine(rank)]
-        return torch.cat(spans).to(device)
-
-    def local_grid(self, rank: int, device) -> torch.Tensor:
-        return torch.tensor([self.units[i][2:] for i in self.mine(rank)], device=device)
-
-    def held(self, rank: int) -> torch.Tensor:
-        """The merged tokens (indices in the modality's token order) rank `rank` encodes, in its output order."""
-        spans = [torch.arange(self.units[i][0], self.units[i][0] + self.units[i][1], self.merge_unit) // self.merge_unit
-                 for i in self.mine(rank)]
-        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 
 
 def _features(out) -> list[torch.Tensor]:
@@ -120,12 +74,21 @@ def _tower_placement(tower) -> dict:
     return {"device": next(tower.parameters()).device, "dtype": tower.dtype}
 
 
+def pixel_share(pixels: torch.Tensor, rows: slice, placement: dict) -> torch.Tensor:
+    """The pixel rows `rows` (patches, width) where and in which dtype the tower computes: a view of the caller's
+    pixels when they are there already, else a copy of those rows only (from the host, or cast).
+
+    A view costs nothing: the caller keeps its pixel batch alive anyway. A copy is saved for backward by the patch
+    embedding, so it is made only where it buys something (the device, the dtype)."""
+    return pixels[rows].to(**placement)
+
+
 def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionShare, cp: CPGroup,
                  kwargs: dict) -> tuple[object, torch.Tensor]:
     """(tower output, joined features) of this rank's whole items and temporal groups (module docstring)."""
     placement = _tower_placement(tower)
     if share.mine(cp.rank):
-        local = pixels.index_select(0, share.local_patches(cp.rank, pixels.device)).to(**placement)
+        local = pixel_share(pixels, share.patch_rows(cp.rank), placement)
         out = tower(local, grid_thw=share.local_grid(cp.rank, placement["device"]), **kwargs)
         joined = _joined_features(out)
     else:
@@ -164,15 +127,10 @@ def _patch_tables(tower, grid: torch.Tensor, rows: slice) -> dict:
     return {"interp_indices": cut(indices), "interp_weights": cut(weights), "position_ids": cut(positions)}
 
 
-def slices_held(merged: int, size: int) -> list[torch.Tensor]:
-    """The merged tokens each rank encodes by patch slices: equal contiguous runs (the last one short)."""
-    per_rank = round_up(merged, size) // size
-    return [torch.arange(r * per_rank, min((r + 1) * per_rank, merged)) for r in range(size)]
-
-
-def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, cp: CPGroup,
+def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionShare, cp: CPGroup,
                         kwargs: dict) -> tuple[object, torch.Tensor]:
-    """(tower output, joined features of the merged tokens `slices_held` gives this rank) of one contiguous slice
+    """(tower output, joined features of the merged tokens `share.held_by_ranks()` gives this rank) of one contiguous
+    slice
     of all items' patches, the tower's attention exchanging sequence for heads within each image's segments
     (module docstring)."""
     unit = tower.spatial_merge_size**2
@@ -184,8 +142,7 @@ def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, cp: CPG
     local_len = vision_ctx.local_len
     rows = shard_slice(vision_ctx.seq_len, cp.size, cp.rank)
     placement = _tower_placement(tower)
-    # A copy, on CPU too: a view would keep the caller's whole pixel batch alive until backward.
-    real = pixels[rows.start : min(rows.stop, pixels.shape[0])].to(**placement, copy=True)
+    real = pixel_share(pixels, slice(rows.start, min(rows.stop, pixels.shape[0])), placement)
     local = torch.cat([real, real.new_zeros(local_len - real.shape[0], real.shape[1])]) if real.shape[0] < local_len \
         else real
     tables = {k: v.to(placement["device"]) for k, v in _patch_tables(tower, grid, rows).items()}
@@ -193,7 +150,7 @@ def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, cp: CPG
     out = tower(local, grid_thw=grid.to(placement["device"]), cu_seqlens=cu, max_seqlen=local_len,  # exchange
                 **tables, **kwargs, **{CTX_KWARG: vision_ctx})  # restores the global ones
     STATS.record_vision([min(local_len, max(0, sum(frames) - r * local_len)) for r in range(cp.size)], cp.rank)
-    return out, _joined_features(out)[: slices_held(merged, cp.size)[cp.rank].numel()]
+    return out, _joined_features(out)[: share.held_by_ranks()[cp.rank].numel()]
 
 
 def route_to_owners(local: torch.Tensor, held: list[torch.Tensor], owner: torch.Tensor, cp: CPGroup) -> torch.Tensor:
@@ -211,26 +168,27 @@ def route_to_owners(local: torch.Tensor, held: list[torch.Tensor], owner: torch.
     return received.index_select(0, torch.argsort(torch.cat(arriving)).to(received.device))
 
 
-def features_of_slice(tower, pixels: torch.Tensor, grid: torch.Tensor, tokens: torch.Tensor, ctx: CPContext,
+def encode_every_item(tower, pixels: torch.Tensor, grid: torch.Tensor, owner: torch.Tensor, cp: CPGroup,
                       kwargs: dict) -> tuple[object, torch.Tensor]:
+    """(tower output, joined features of this rank's tokens) with vision data parallelism off: every rank encodes
+    every item and keeps the features of its own tokens (no exchange)."""
+    placement = _tower_placement(tower)
+    out = tower(pixels.to(**placement), grid_thw=grid.to(placement["device"]), **kwargs)
+    mine = (owner == cp.rank).nonzero().flatten()
+    joined = _joined_features(out)
+    return out, joined.index_select(0, mine.to(joined.device))
+
+
+def features_of_slice(tower, pixels: torch.Tensor, grid: torch.Tensor, tokens: torch.Tensor, share: VisionShare,
+                      ctx: CPContext, kwargs: dict) -> tuple[object, torch.Tensor]:
     """(tower output, joined features of the placeholder tokens in this rank's slice, in order). `tokens`: the row
-    positions of this modality's placeholder tokens."""
-    cp = ctx.cp
-    owner = ctx.owner_of(tokens)
-    if not SETTINGS.vision_dp:
-        placement = _tower_placement(tower)
-        out = tower(pixels.to(**placement), grid_thw=grid.to(placement["device"]), **kwargs)
-        mine = (owner == cp.rank).nonzero().flatten()
-        joined = _joined_features(out)
-        return out, joined.index_select(0, mine.to(joined.device))
-    share = VisionShare.of(grid.tolist(), tower.spatial_merge_size, cp.size)
-    if share.balanced() or tower.config.num_heads % cp.size:  # patch slices split the tower's heads
-        out, local = encode_items(tower, pixels, grid, share, cp, kwargs)
-        held = [share.held(r) for r in range(cp.size)]
-    else:
-        out, local = encode_patch_slices(tower, pixels, grid, cp, kwargs)
-        held = slices_held(owner.numel(), cp.size)
-    return out, route_to_owners(local, held, owner, cp)
+    positions of this modality's placeholder tokens; `share`: how the ranks share its vision work (the plan's)."""
+    cp, owner = ctx.cp, ctx.owner_of(tokens)
+    if share.method == EVERY_ITEM:
+        return encode_every_item(tower, pixels, grid, owner, cp, kwargs)
+    encode = encode_items if share.method == BY_ITEMS else encode_patch_slices
+    out, local = encode(tower, pixels, grid, share, cp, kwargs)
+    return out, route_to_owners(local, share.held_by_ranks(), owner, cp)
 
 
 def _split_joined(out, joined: torch.Tensor, deepstack_per_item: bool):
@@ -259,7 +217,8 @@ def cp_image_features(wrapped, instance, args, kwargs, deepstack_per_item: bool 
     for name in WHOLE_BATCH_TABLES:
         call.pop(name, None)
     with site(f"the {modality} features' route to their tokens' ranks"):
-        out, joined = features_of_slice(instance.visual, pixels, grid, ctx.vision_tokens[modality], ctx, call)
+        out, joined = features_of_slice(instance.visual, pixels, grid, ctx.vision_tokens[modality],
+                                        ctx.vision_shares[modality], ctx, call)
     out = _split_joined(out, joined, deepstack_per_item)
     return out if return_dict else out.to_tuple()
 

@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 from ..distributed import cp_running, data_parallel_rank, data_parallel_world_size
 from ..flags import ONE_COPY_PER_CP_GROUP, scoped
-from ..patching import Patch
-from ..settings import cp_size
+from ..patching import Patch, cp_size
 from .setup import check_cp_setup, require_integration
 
 

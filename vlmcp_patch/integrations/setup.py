@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from ..distributed import cp_requested, get_cp_group
 from ..errors import UnsupportedSetupError
-from ..forward.checks import check_model_config
-from ..patching import PATCHES
-from ..settings import cp_size
+from ..forward.refusals import check_model_config
+from ..patching import PATCHES, cp_size
 from ..supported import find_supported_model, unsupported_model_message
 
 

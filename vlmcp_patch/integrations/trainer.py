@@ -17,8 +17,7 @@ import inspect
 
 from ..distributed import cp_running
 from ..flags import FULL_LOGITS, scoped
-from ..patching import Patch
-from ..settings import cp_size
+from ..patching import Patch, cp_size
 from .accelerate import one_copy_per_cp_group_gathers
 from .parallelism_config import take_over_trainer_config
 from .setup import check_cp_setup, require_integration

@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..distributed import cp_running, data_parallel_rank, data_parallel_world_size, get_cp_group
 from ..errors import UnsupportedSetupError
 from ..flags import REPLICA_VIEW, SPLIT_ROLLOUT, scoped
-from ..patching import Patch, PropertyPatch
-from ..settings import SETTINGS, cp_size
+from ..patching import Patch, PropertyPatch, cp_size
+from ..settings import SETTINGS
 from .accelerate import one_copy_per_cp_group, one_copy_per_cp_group_gathers
 from .parallelism_config import requested_cp, without_cp
 

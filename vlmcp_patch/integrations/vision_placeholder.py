@@ -31,7 +31,8 @@ from ..distributed import (
     world_group,
 )
 from ..flags import GENERATING, VISION_PLACEHOLDERS, scoped
-from ..forward.arguments import batch_device, call_arguments
+from ..forward.arguments import call_arguments
+from ..forward.batch import batch_device
 from ..forward.vision import placeholder_vision_inputs
 from ..patching import Patch
 from ..settings import SETTINGS
