@@ -1,5 +1,5 @@
-"""`python -m vlmcp_patch [--no-self-test] [--model NAME_OR_PATH]`: versions, patches, the CP layout of this launch
-(with a model: its U x R layout by CP size), kernels, self-test."""
+"""`python -m vlmcp_patch [--no-self-test] [--model NAME_OR_PATH [--node-size N]]`: versions, patches, the CP layout of
+this launch (with a model: its U x R layout by CP size, on nodes of N ranks), kernels, self-test."""
 
 from __future__ import annotations
 
@@ -14,8 +14,13 @@ def main(argv=None) -> int:
     parser.add_argument("--no-self-test", action="store_true", help="skip the ten-second self-test")
     parser.add_argument("--model", help="a checkpoint name or folder (its config only), or tiny-qwen3-vl / "
                         "tiny-qwen3.5: print how its heads split (Ulysses x ring) at each CP size")
+    parser.add_argument("--node-size", type=int, default=None, help="ranks (GPUs) per node: show where each P's "
+                        "Ulysses subgroups and rings fall on nodes of this size (default: one node)")
     args = parser.parse_args(argv)
-    text, ok = report(run_self_test=not args.no_self_test, text_config=_text_config(args.model), name=args.model)
+    if args.node_size is not None and args.node_size < 1:
+        parser.error("--node-size must be a positive number of ranks")
+    text, ok = report(run_self_test=not args.no_self_test, text_config=_text_config(args.model), name=args.model,
+                      node_size=args.node_size)
     print(text)
     return 0 if ok else 1
 

@@ -35,9 +35,9 @@ import torch
 
 from ..attention.foreign import foreign_attention_problem
 from ..attention.heads import kv_replication
-from ..distributed import CPGroup
+from ..distributed import CPGroup, ulysses_for
 from ..errors import CPInputError, UnsupportedSetupError
-from ..layout import Segment, starts_of, ulysses_degree
+from ..layout import Segment, starts_of
 from ..loss import IGNORE_INDEX, shifted_labels
 from ..settings import cp_size
 from .arguments import batch_reference, given_cache, has_vision
@@ -126,7 +126,7 @@ def ulysses_of(text_config, size: int) -> int:
     heads = [text_config.num_attention_heads]
     if has_deltanet(text_config):
         heads.append(text_config.linear_num_value_heads)
-    return ulysses_degree(size, heads)
+    return ulysses_for(size, heads)  # inside a node where the heads allow (layout.ulysses_degree)
 
 
 def setup_problem(model, cp: CPGroup, call: dict) -> Problem | None:
