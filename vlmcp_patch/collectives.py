@@ -165,6 +165,12 @@ def _communicate(op: str, group, count: int, run):
     `CollectiveError` naming it (module docstring)."""
     if SETTINGS.debug_collectives:
         _LOG.add(Record(_phase(), op, _group_name(group), count, _SITE.get()))
+    return _raising(op, group, run)
+
+
+def _raising(op: str, group, run):
+    """`run()`, a backend error or timeout raised as `CollectiveError` naming the communication `op` (not recorded:
+    the wait of a communication `_communicate` started)."""
     try:
         return run()
     except RuntimeError as error:  # gloo's and NCCL's errors (DistBackendError is one), timeouts included
@@ -457,22 +463,55 @@ def _timeout_of(group):
     return None
 
 
-def pass_around(tensors: list[torch.Tensor], group, next_rank: int, prev_rank: int) -> list[torch.Tensor]:
-    """Send `tensors` to `next_rank` and receive the same shapes from `prev_rank` (global ranks of `group`, a ring),
-    the sends and receives in one batch (no autograd: the ring's functions call it in forward and backward)."""
+@dataclass
+class PendingPass:
+    """A ring pass in flight (`start_pass`): `wait()` returns the tensors received, once. The sent tensors are held
+    until then (a send buffer must outlive its request)."""
+
+    received: list[torch.Tensor]
+    requests: list
+    sent: list[torch.Tensor]
+    group: object
+    timeout: object
+
+    def wait(self) -> list[torch.Tensor]:
+        def run():
+            for request in self.requests:
+                # gloo's wait on a point-to-point request does not apply the group's timeout by itself
+                request.wait() if self.timeout is None else request.wait(self.timeout)
+
+        if self.requests:
+            _raising("ring pass", self.group, run)
+        self.requests, self.sent = [], []
+        return self.received
+
+
+# Whether a ring pass runs behind the compute that follows it (True: `start_pass` returns at once, the caller waits
+# after computing) or completes before it (False: the pass waits where it starts — the schedule before the overlap,
+# kept for benchmarks/ring_overlap.py to compare). The same collectives in the same order either way.
+OVERLAP = True
+
+
+def start_pass(tensors: list[torch.Tensor], group, next_rank: int, prev_rank: int, tag: int = 0) -> PendingPass:
+    """Post the sends of `tensors` to `next_rank` and the receives of the same shapes from `prev_rank` (global ranks
+    of `group`, a ring) in one batch, and return at once: one communication of the rank's sequence (recorded and
+    ordered as issued here), its completion awaited by `PendingPass.wait`. `tag` keeps two rings on the same ranks
+    apart (the keys and their gradients in backward). No autograd: the ring's functions call it in forward and
+    backward. With `OVERLAP` off the pass is complete when this returns."""
     received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), next_rank, group=group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, prev_rank, group=group) for r in received]
+    sent = [t.contiguous() for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, next_rank, group=group, tag=tag) for t in sent]
+    ops += [dist.P2POp(dist.irecv, r, prev_rank, group=group, tag=tag) for r in received]
+    requests = _communicate("ring pass", group, sum(t.numel() for t in tensors), lambda: dist.batch_isend_irecv(ops))
+    pending = PendingPass(received, requests, sent, group, _timeout_of(group))
+    if not OVERLAP:
+        pending.wait()
+    return pending
 
-    timeout = _timeout_of(group)
 
-    def run():
-        for request in dist.batch_isend_irecv(ops):
-            # gloo's wait on a point-to-point request does not apply the group's timeout by itself
-            request.wait() if timeout is None else request.wait(timeout)
-
-    _communicate("ring pass", group, sum(t.numel() for t in tensors), run)
-    return received
+def pass_around(tensors: list[torch.Tensor], group, next_rank: int, prev_rank: int) -> list[torch.Tensor]:
+    """Send `tensors` to `next_rank` and receive the same shapes from `prev_rank`, and wait for both (`start_pass`)."""
+    return start_pass(tensors, group, next_rank, prev_rank).wait()
 
 
 def all_gather_small(values: torch.Tensor, group, size: int) -> torch.Tensor:
