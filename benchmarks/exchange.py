@@ -11,7 +11,7 @@ vlmcp_patch --model ...` prints it):
   replicated to a multiple of U when fewer): 2 x (2H + 2H_kv') x D elements;
 * softmax attention, ring of R (R > 1): k and v passed on R-1 times forward (2 H_kv' D each time), and k, v and their
   gradients R-1 times backward plus the gradients once more to their owner: (6(R-1) + 2) x H_kv' x D — R-1
-  sequential steps each way;
+  steps each way, each pass behind a block's compute (benchmarks/ring_overlap.py);
 * gated DeltaNet, all-to-all among U: q and k (H_k' x d_k), v and the output (H_v x d_v), and the two gate inputs
   (H_v each): 2 x (2H_k' d_k + 2H_v d_v + 2H_v); across a ring its conv halos and state transfers move a fixed
   amount per layer, whatever the length (printed apart).
