@@ -133,3 +133,14 @@ def test_two_nodes_on_one_host_keep_the_all_to_all_inside_a_node_and_equal_stock
         assert (inside, across) == ((True, True) if override is None else (False, False)), where
         assert r["loss_err"] <= TOL and r["logits_err"] <= TOL, where
         assert r["grad_err"] <= TOL and r["missing_grads"] == [], f"{where}: {r['worst_grad']}"
+
+
+def test_the_report_shows_the_layout_per_p_on_nodes_of_a_given_size(capsys):
+    from vlmcp_patch.__main__ import main
+
+    assert main(["--no-self-test", "--model", "tiny-qwen3.5", "--node-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "8 query heads, 8 DeltaNet value heads; nodes of 4 ranks" in out
+    assert "P=4   U=4 x R=1  (all-to-all only)" in out  # one node: as without nodes
+    assert "P=16  U=4 x R=4  (all-to-all among 4, a ring of 4; all-to-all inside a node; ring across nodes)" in out
+    assert "P=32  U=4 x R=8" in out  # multiples of the node size up to 8 nodes
