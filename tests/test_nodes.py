@@ -144,3 +144,32 @@ def test_the_report_shows_the_layout_per_p_on_nodes_of_a_given_size(capsys):
     assert "P=4   U=4 x R=1  (all-to-all only)" in out  # one node: as without nodes
     assert "P=16  U=4 x R=4  (all-to-all among 4, a ring of 4; all-to-all inside a node; ring across nodes)" in out
     assert "P=32  U=4 x R=8" in out  # multiples of the node size up to 8 nodes
+
+
+def test_the_groups_built_for_sixty_four_ranks_over_nodes_of_eight_follow_the_layout():
+    """`distributed.hybrid_groups` itself on torch's fake process group backend (no processes launched): 128 ranks,
+    CP groups of 64 as U = 8 (the node-aware choice for 32 heads on nodes of 8) x R = 8; for ranks at both ends and
+    inside, the Ulysses subgroup is the rank's node and the ring one member per node of its CP group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vlmcp_patch import distributed
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    ulysses = ulysses_degree(64, [32], node_size=8)
+    assert ulysses == 8
+    for rank in (0, 13, 64, 127):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=128)
+        try:
+            groups = distributed.hybrid_groups(distributed.CPGroup(group=None, rank=rank % 64, size=64), ulysses)
+            subgroup = dist.get_process_group_ranks(groups.ulysses.group)
+            ring = distributed._HYBRID[(128, 64, ulysses)]["ring"][1]
+        finally:
+            distributed._release_groups()
+            dist.destroy_process_group()
+        node, block = rank // 8, rank // 64
+        assert subgroup == list(range(node * 8, node * 8 + 8)), rank
+        assert sorted(r // 8 for r in ring) == list(range(block * 8, block * 8 + 8)), rank  # one member per node
+        assert groups.ring.size == 8 and ring[groups.ring.index] == rank, rank
+        assert groups.ring.next_rank == ring[(groups.ring.index + 1) % 8], rank
