@@ -173,3 +173,33 @@ def test_the_groups_built_for_sixty_four_ranks_over_nodes_of_eight_follow_the_la
         assert sorted(r // 8 for r in ring) == list(range(block * 8, block * 8 + 8)), rank  # one member per node
         assert groups.ring.size == 8 and ring[groups.ring.index] == rank, rank
         assert groups.ring.next_rank == ring[(groups.ring.index + 1) % 8], rank
+
+
+def _forward_with_launcher_env(rank: int, world_size: int) -> dict:
+    """One CP forward of the tiny Qwen3-VL at P = world size: the error it raises, if any, and how long it took."""
+    import time
+
+    import vlmcp_patch
+    from vlmcp_patch.fixtures.data import Segment, make_batch
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+
+    model = build_model(tiny_qwen3_vl_config(), seed=0)
+    batch = make_batch([[Segment(text=12)]], seed=1)
+    vlmcp_patch.enable(cp_size=world_size)
+    start = time.monotonic()
+    try:
+        model(**batch)
+        return {"error": None}
+    except Exception as error:  # noqa: BLE001 - the test inspects it
+        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
+    finally:
+        vlmcp_patch.enable(cp_size=1)
+
+
+def test_a_launch_whose_node_size_does_not_fit_is_refused_on_every_rank_before_compute():
+    from tests.helpers.harness import run_distributed
+
+    for res in run_distributed(_forward_with_launcher_env, 2, env={"LOCAL_WORLD_SIZE": "3"}, timeout=300):
+        assert res["error"] == "UnsupportedSetupError", res
+        assert "LOCAL_WORLD_SIZE=3 does not divide the world size 2" in res["message"], res
+        assert res["seconds"] < 10, res

@@ -148,12 +148,13 @@ def node_size() -> int | None:
     """Ranks per node for the layout (`layout.ulysses_degree`): agreed by every rank when the CP groups were created
     (`agreed_node_size`), else — before that, or without torch.distributed — this process's LOCAL_WORLD_SIZE; None:
     unknown (one node)."""
-    agreed = _NODE_SIZE.get(dist.get_world_size()) if distributed_ready() else None
+    world = dist.get_world_size() if distributed_ready() else None
+    if world not in _NODE_SIZE:
+        return launcher_node()["local_world_size"]
+    agreed = _NODE_SIZE[world]
     if isinstance(agreed, UnsupportedSetupError):
-        raise UnsupportedSetupError(str(agreed))
-    if distributed_ready() and dist.get_world_size() in _NODE_SIZE:
-        return agreed
-    return launcher_node()["local_world_size"]
+        raise UnsupportedSetupError(str(agreed))  # a fresh one each time: every forward of the launch refuses
+    return agreed
 
 
 def ulysses_for(size: int, heads: list[int]) -> int:
