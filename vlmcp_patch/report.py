@@ -74,6 +74,9 @@ def layout() -> list[str]:
     lines.append(f"  CP groups (blocks of {size} consecutive ranks): {shown}")
     lines.append(f"  data-parallel replicas: {world // size}; this rank: replica {rank // size}, "
                  f"position {rank % size}")
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    lines.append(f"  ranks per node (LOCAL_WORLD_SIZE): {local or 'not set: one node'}; Ulysses size: "
+                 f"{SETTINGS.ulysses_size or 'automatic, inside a node'} (VLMCP_ULYSSES_SIZE)")
     lines.append(f"  vision data parallelism: {'on' if SETTINGS.vision_dp else 'off'}")
     return lines
 
