@@ -69,7 +69,8 @@ def test_the_override_is_checked_against_the_heads_and_the_node_size():
 
 
 def _nodes(local, groups, hosts):
-    return [{"local_world_size": n, "group_rank": g, "host": h} for n, g, h in zip(local, groups, hosts)]
+    return [{"local_world_size": n, "group_rank": g, "host": h, "ulysses_size": 0}
+            for n, g, h in zip(local, groups, hosts, strict=True)]
 
 
 def test_the_launchers_node_size_is_checked_against_the_hosts():
@@ -84,6 +85,10 @@ def test_the_launchers_node_size_is_checked_against_the_hosts():
         agreed_node_size(_nodes([2] * 4, [0, 1, 0, 1], "aaaa"))
     with pytest.raises(UnsupportedSetupError, match="does not divide the world size 6"):
         agreed_node_size(_nodes([4] * 6, [None] * 6, "aaaaaa"))
+    differing = _nodes([None] * 2, [None] * 2, "aa")
+    differing[1]["ulysses_size"] = 2  # one rank launched with VLMCP_ULYSSES_SIZE=2, the other without
+    with pytest.raises(UnsupportedSetupError, match=r"different VLMCP_ULYSSES_SIZE values \[0, 2\]"):
+        agreed_node_size(differing)
 
 
 def _agents(out: Path, procs_per_node: int = 2, nodes: int = 2) -> list[list[str]]:

@@ -100,11 +100,13 @@ def _new_group(ranks: list[int], role: str):
 
 def launcher_node() -> dict:
     """What the launcher says about this process's node (torchrun / accelerate / deepspeed set these): ranks per node
-    (`LOCAL_WORLD_SIZE`, None when not set), the node's index (`GROUP_RANK`, else None), and the host."""
+    (`LOCAL_WORLD_SIZE`, None when not set), the node's index (`GROUP_RANK`, else None), and the host; with the
+    Ulysses size this process was given (VLMCP_ULYSSES_SIZE, 0: automatic), which every rank must share too."""
     local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     group = os.environ.get("GROUP_RANK", "").strip()
     return {"local_world_size": int(local) if local.isdigit() else None,
-            "group_rank": int(group) if group.isdigit() else None, "host": socket.gethostname()}
+            "group_rank": int(group) if group.isdigit() else None, "host": socket.gethostname(),
+            "ulysses_size": SETTINGS.ulysses_size}
 
 
 def agreed_node_size(nodes: list[dict]) -> int | None:
@@ -112,7 +114,14 @@ def agreed_node_size(nodes: list[dict]) -> int | None:
     None when no rank knows it (all ranks then count as one node). Checked where it can be: every rank states the
     same N, N divides the world, rank r's node r // N is its GROUP_RANK (the launcher numbers ranks node by node),
     and the ranks of one node share a host (different nodes may share one: agents simulating nodes on one host).
-    UnsupportedSetupError otherwise — the same on every rank, which all see the same list."""
+    UnsupportedSetupError otherwise — the same on every rank, which all see the same list. The ranks' Ulysses sizes
+    (VLMCP_ULYSSES_SIZE) must agree as well: ranks that chose different layouts would wait for each other forever."""
+    overrides = sorted({n.get("ulysses_size", 0) for n in nodes})
+    if len(overrides) > 1:
+        raise UnsupportedSetupError(
+            f"the ranks were given different VLMCP_ULYSSES_SIZE values {overrides} (0: automatic): set it, or call "
+            "enable(ulysses_size=...), alike in every process."
+        )
     sizes = {n["local_world_size"] for n in nodes}
     if sizes == {None}:
         return None
