@@ -8,11 +8,12 @@ as a ring of P (U = 1: every rank holds every head, the state's exchange at its 
 of three samples, each rank on one thread. The state crosses the ring as in LASP-2 (`models/deltanet_ring.py`): every
 rank computes the affine transfer [M | B] (value heads x d_k x (d_k + d_v), fp32) of its two chunks, one all-gather
 hands every rank all of them, each folds those before its chunks locally — no chain of waits; backward sums their
-gradients with one all-reduce. The conv's halos (d_conv - 1 tokens of the conv channels per chunk) take one more
-all-gather. Printed per P and length, medians over the repeats: bytes each rank sends per layer, forward (the two
-all-gathers) and backward (the all-reduce of the gathered transfers and halos), against the formula; the layer's
-step (slowest rank); and the share of it spent inside those collectives (waiting for the slower ranks included).
-The bytes do not depend on the length.
+gradients with one reduce-scatter. The conv's halos (d_conv - 1 tokens of the conv channels per chunk) take one more
+all-gather and reduce-scatter. Printed per P and length, medians over the repeats: bytes each rank sends per layer,
+forward (the two all-gathers) and backward (the two reduce-scatters' input, R times the forward's: a ring
+reduce-scatter moves (R - 1) / R of it, half an all-reduce's traffic), against the formula; the layer's step (slowest
+rank); and the share of it spent inside those collectives (waiting for the slower ranks included). The bytes do not
+depend on the length.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from tests.helpers.harness import run_distributed
 
 GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
+SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_single")
 
 
 def _layer(scale: int):
@@ -41,8 +43,8 @@ def _layer(scale: int):
 
 def formula_bytes(layer, size: int) -> dict[str, int]:
     """Bytes one rank sends per layer at a ring of `size` (U = 1), fp32: forward, its two chunks' transfers
-    (H_v x d_k x (d_k + d_v) each) and conv halos (channels x (d_conv - 1) each); backward, the all-reduce of what
-    the ring gathered (`size` times that)."""
+    (H_v x d_k x (d_k + d_v) each) and conv halos (channels x (d_conv - 1) each); backward, the reduce-scatter of
+    the gradient of what the ring gathered (its input: `size` times that)."""
     transfers = 2 * layer.num_v_heads * layer.head_k_dim * (layer.head_k_dim + layer.head_v_dim) * 4
     halos = 2 * layer.conv_dim * (layer.conv_kernel_size - 1) * 4
     return {"forward": transfers + halos, "backward": size * (transfers + halos)}
@@ -74,8 +76,9 @@ def measure(rank: int, world_size: int, lengths: list[int], scale: int, repeats:
                 local.sum().backward()
                 step = time.perf_counter() - start
             runs.append({"step": step, "forward": sum(forward.bytes[n] for n in GATHERS),
-                         "backward": backward.bytes["all_reduce"],
-                         "inside": sum(forward.seconds[n] for n in GATHERS) + backward.seconds["all_reduce"]})
+                         "backward": sum(backward.bytes[n] for n in SCATTERS),
+                         "inside": sum(forward.seconds[n] for n in GATHERS)
+                         + sum(backward.seconds[n] for n in SCATTERS)})
         out[length] = runs[1:]
     vlmcp_patch.enable(cp_size=1)
     return out

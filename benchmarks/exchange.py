@@ -65,9 +65,10 @@ def measure(rank: int, world_size: int, model_name: str, tokens: int, scale: int
     element = next(model.parameters()).element_size()
     padded = Split(tokens, world_size, ulysses_of(model.config.get_text_config(), world_size)).padded_len
     gathered = sum(probe.bytes[name] for name in ("all_gather", "all_gather_into_tensor", "all_gather_single"))
+    scattered = sum(probe.bytes[name] for name in ("reduce_scatter_tensor", "reduce_scatter_single"))
     return {"all_to_all": probe.bytes["all_to_all_single"] / element / padded,
             "ring": probe.bytes["batch_isend_irecv"] / element / padded,
-            "fixed": (gathered + probe.bytes["all_reduce"]) / world_size}
+            "fixed": (gathered + scattered + probe.bytes["all_reduce"]) / world_size}
 
 
 def main() -> None:

@@ -85,7 +85,7 @@ def test_ring_overlap_dry_run_times_both_schedules_on_both_layouts():
 
 def test_deltanet_state_dry_run_moves_the_formulas_bytes():
     """The DeltaNet state benchmark at P=3: the bytes each rank sends per layer equal the formula, forward and
-    backward (one all-gather of the chunks' transfers and halos, one all-reduce of their gradients)."""
+    backward (one all-gather of the chunks' transfers and halos, one reduce-scatter of their gradients)."""
     out = launch(ROOT / "benchmarks" / "deltanet_state.py", ["--dry-run"], launcher="python", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = re.findall(r"^\s*3\s+96\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%$", out.stdout,

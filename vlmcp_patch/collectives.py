@@ -337,6 +337,16 @@ def _all_gather_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tens
     return out.movedim(0, dim)
 
 
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """x (size, *block) on every member -> (*block): the sum over the members of x[this member's group rank]."""
+    flat = x.contiguous().view(-1)
+    out = x.new_empty(x.shape[1:])
+    # torch 2.13 renames reduce_scatter_tensor to reduce_scatter_single, as all_gather's (`_all_gather_raw`)
+    run = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    _communicate("reduce-scatter", group, flat.numel(), lambda: run(out.view(-1), flat, group=group))
+    return out
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     _communicate("all-reduce", group, x.numel(), lambda: dist.all_reduce(x, group=group))
     return x
@@ -390,8 +400,9 @@ def sum_keep_local_grad(x: torch.Tensor, group, size: int) -> torch.Tensor:
 
 class _GatherOverGroup(torch.autograd.Function):
     """Every member's `x` stacked in rank order: (size, *x.shape). Each member uses all of them differently (a
-    ring's halos and state transfers), so backward sums the gradient over the group and keeps this member's block;
-    ordered (module docstring): a member that uses none of them still joins the backward's all-reduce."""
+    ring's halos and state transfers), so backward sums the gradient over the group and keeps this member's block —
+    one reduce-scatter (half an all-reduce's traffic, which would hand every member every block); ordered (module
+    docstring): a member that uses none of them still joins it."""
 
     @staticmethod
     def forward(ctx, x, group, size, rank, token):
@@ -404,8 +415,8 @@ class _GatherOverGroup(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, token_grad(ctx, grad_token)
         with site(ctx.site):
-            grad = _all_reduce(grad.contiguous().clone(), ctx.group)
-        return grad[ctx.rank], None, None, None, token_grad(ctx, grad_token)
+            grad = _reduce_scatter(grad, ctx.group)
+        return grad, None, None, None, token_grad(ctx, grad_token)
 
 
 def gather_over_group(x: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
