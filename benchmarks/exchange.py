@@ -11,7 +11,7 @@ vlmcp_patch --model ...` prints it):
   replicated to a multiple of U when fewer): 2 x (2H + 2H_kv') x D elements;
 * softmax attention, ring of R (R > 1): k and v passed on R-1 times forward (2 H_kv' D each time), and k, v and their
   gradients R-1 times backward plus the gradients once more to their owner: (6(R-1) + 2) x H_kv' x D — R-1
-  sequential steps each way;
+  steps each way, each pass behind a block's compute (benchmarks/ring_overlap.py);
 * gated DeltaNet, all-to-all among U: q and k (H_k' x d_k), v and the output (H_v x d_v), and the two gate inputs
   (H_v each): 2 x (2H_k' d_k + 2H_v d_v + 2H_v); across a ring its conv halos and state transfers move a fixed
   amount per layer, whatever the length (printed apart).
@@ -65,9 +65,10 @@ def measure(rank: int, world_size: int, model_name: str, tokens: int, scale: int
     element = next(model.parameters()).element_size()
     padded = Split(tokens, world_size, ulysses_of(model.config.get_text_config(), world_size)).padded_len
     gathered = sum(probe.bytes[name] for name in ("all_gather", "all_gather_into_tensor", "all_gather_single"))
+    scattered = sum(probe.bytes[name] for name in ("reduce_scatter_tensor", "reduce_scatter_single"))
     return {"all_to_all": probe.bytes["all_to_all_single"] / element / padded,
             "ring": probe.bytes["batch_isend_irecv"] / element / padded,
-            "fixed": (gathered + probe.bytes["all_reduce"]) / world_size}
+            "fixed": (gathered + scattered + probe.bytes["all_reduce"]) / world_size}
 
 
 def main() -> None:

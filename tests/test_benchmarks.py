@@ -67,3 +67,29 @@ def test_memory_dry_run_really_splits_the_row_eight_ways():
     assert set(splits) == {1, 2, 8} and splits[8] == (-(-splits[1][1] // 8), splits[1][1]), out.stdout
     rows = re.findall(r"^\s+([128])\s+([\d.]+)\s+([\d.]+)\s", out.stdout, flags=re.MULTILINE)
     assert len(rows) == 3 and all(float(peak) > 0 and float(ratio) > 0 for _, peak, ratio in rows), out.stdout
+
+
+def test_ring_overlap_dry_run_times_both_schedules_on_both_layouts():
+    """The ring-overlap benchmark on tiny rows, U=1 x R=4 and U=2 x R=3: every number it prints was measured (both
+    schedules ran and waited for their passes)."""
+    out = launch(ROOT / "benchmarks" / "ring_overlap.py", ["--dry-run"], launcher="python", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = re.findall(r"^\s+(1x4|2x3)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?\d+)%\s+"
+                      r"([\d.]+)\s+([\d.]+)$", out.stdout, flags=re.MULTILINE)
+    assert {(layout, int(tokens)) for layout, tokens, *_ in rows} == {(u, t) for u in ("1x4", "2x3") for t in (96, 192)}
+    for _, _, old, new, ratio, wait_old, _, _, busiest, work in rows:
+        assert min(float(old), float(new), float(ratio), float(wait_old), float(busiest)) > 0, out.stdout
+        assert 1 <= float(work) <= 1.05, out.stdout  # the zigzag chunks balance the causal work
+    assert "ring_overlap: done" in out.stdout
+
+
+def test_deltanet_state_dry_run_moves_the_formulas_bytes():
+    """The DeltaNet state benchmark at P=3: the bytes each rank sends per layer equal the formula, forward and
+    backward (one all-gather of the chunks' transfers and halos, one reduce-scatter of their gradients)."""
+    out = launch(ROOT / "benchmarks" / "deltanet_state.py", ["--dry-run"], launcher="python", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = re.findall(r"^\s*3\s+96\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%$", out.stdout,
+                      flags=re.MULTILINE)
+    assert len(rows) == 1, out.stdout
+    fwd, fwd_formula, bwd, bwd_formula, step, _ = map(float, rows[0])
+    assert fwd == fwd_formula > 0 and bwd == bwd_formula > 0 and step > 0, out.stdout

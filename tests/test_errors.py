@@ -11,6 +11,7 @@ from tests.helpers.harness import run_distributed
 
 SETUPS = {
     "cp_size_not_dividing_world": ("UnsupportedSetupError", "does not divide the world size 2"),
+    "ulysses_size_not_dividing_p": ("UnsupportedSetupError", "VLMCP_ULYSSES_SIZE=4 (enable(ulysses_size=...)) cannot"),
     "eager_attention": ("UnsupportedSetupError", "attn_implementation='eager'"),
     "flex_attention": ("UnsupportedSetupError", "attn_implementation='flex_attention'"),
     "unsupported_model": ("UnsupportedSetupError", "Qwen3VLForConditionalGeneration"),

@@ -1,9 +1,10 @@
-"""`python -m vlmcp_patch [--no-self-test] [--model NAME_OR_PATH]`: versions, patches, the CP layout of this launch
-(with a model: its U x R layout by CP size), kernels, self-test."""
+"""`python -m vlmcp_patch [--no-self-test] [--model NAME_OR_PATH [--node-size N]]`: versions, patches, the CP layout of
+this launch (with a model: its U x R layout by CP size, on nodes of N ranks), kernels, self-test."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .report import report
@@ -14,10 +15,26 @@ def main(argv=None) -> int:
     parser.add_argument("--no-self-test", action="store_true", help="skip the ten-second self-test")
     parser.add_argument("--model", help="a checkpoint name or folder (its config only), or tiny-qwen3-vl / "
                         "tiny-qwen3.5: print how its heads split (Ulysses x ring) at each CP size")
+    parser.add_argument("--node-size", type=int, default=None, help="ranks (GPUs) per node: show where each P's "
+                        "Ulysses subgroups and rings fall on nodes of this size (default: the launcher's "
+                        "LOCAL_WORLD_SIZE when it launched several nodes, else one node)")
     args = parser.parse_args(argv)
-    text, ok = report(run_self_test=not args.no_self_test, text_config=_text_config(args.model), name=args.model)
+    if args.node_size is not None and args.node_size < 1:
+        parser.error("--node-size must be a positive number of ranks")
+    if args.node_size is None:
+        args.node_size = _launched_node_size()
+    text, ok = report(run_self_test=not args.no_self_test, text_config=_text_config(args.model), name=args.model,
+                      node_size=args.node_size)
     print(text)
     return 0 if ok else 1
+
+
+def _launched_node_size() -> int | None:
+    """Ranks per node of this launch when it spans several nodes (LOCAL_WORLD_SIZE below WORLD_SIZE), else None."""
+    local, world = os.environ.get("LOCAL_WORLD_SIZE", ""), os.environ.get("WORLD_SIZE", "")
+    if local.isdigit() and world.isdigit() and 0 < int(local) < int(world):
+        return int(local)
+    return None
 
 
 def _text_config(name: str | None):

@@ -161,6 +161,12 @@ def _communicate(op: str, group, count: int, run):
     `CollectiveError` naming it (module docstring)."""
     if SETTINGS.debug_collectives:
         _LOG.add(Record(_phase(), op, _group_name(group), count, _SITE.get()))
+    return _raising(op, group, run)
+
+
+def _raising(op: str, group, run):
+    """`run()`, a backend error or timeout raised as `CollectiveError` naming the communication `op` (not recorded:
+    the wait of a communication `_communicate` started)."""
     try:
         return run()
     except RuntimeError as error:  # gloo's and NCCL's errors (DistBackendError is one), timeouts included
@@ -327,6 +333,16 @@ def _all_gather_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tens
     return out.movedim(0, dim)
 
 
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """x (size, *block) on every member -> (*block): the sum over the members of x[this member's group rank]."""
+    flat = x.contiguous().view(-1)
+    out = x.new_empty(x.shape[1:])
+    # torch 2.13 renames reduce_scatter_tensor to reduce_scatter_single, as all_gather's (`_all_gather_raw`)
+    run = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    _communicate("reduce-scatter", group, flat.numel(), lambda: run(out.view(-1), flat, group=group))
+    return out
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     _communicate("all-reduce", group, x.numel(), lambda: dist.all_reduce(x, group=group))
     return x
@@ -380,8 +396,9 @@ def sum_keep_local_grad(x: torch.Tensor, group, size: int) -> torch.Tensor:
 
 class _GatherOverGroup(torch.autograd.Function):
     """Every member's `x` stacked in rank order: (size, *x.shape). Each member uses all of them differently (a
-    ring's halos and state transfers), so backward sums the gradient over the group and keeps this member's block;
-    ordered (module docstring): a member that uses none of them still joins the backward's all-reduce."""
+    ring's halos and state transfers), so backward sums the gradient over the group and keeps this member's block —
+    one reduce-scatter (half an all-reduce's traffic, which would hand every member every block); ordered (module
+    docstring): a member that uses none of them still joins it."""
 
     @staticmethod
     def forward(ctx, x, group, size, rank, token):
@@ -394,8 +411,8 @@ class _GatherOverGroup(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, token_grad(ctx, grad_token)
         with site(ctx.site):
-            grad = _all_reduce(grad.contiguous().clone(), ctx.group)
-        return grad[ctx.rank], None, None, None, token_grad(ctx, grad_token)
+            grad = _reduce_scatter(grad, ctx.group)
+        return grad, None, None, None, token_grad(ctx, grad_token)
 
 
 def gather_over_group(x: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
@@ -453,22 +470,55 @@ def _timeout_of(group):
     return None
 
 
-def pass_around(tensors: list[torch.Tensor], group, next_rank: int, prev_rank: int) -> list[torch.Tensor]:
-    """Send `tensors` to `next_rank` and receive the same shapes from `prev_rank` (global ranks of `group`, a ring),
-    the sends and receives in one batch (no autograd: the ring's functions call it in forward and backward)."""
+@dataclass
+class PendingPass:
+    """A ring pass in flight (`start_pass`): `wait()` returns the tensors received, once. The sent tensors are held
+    until then (a send buffer must outlive its request)."""
+
+    received: list[torch.Tensor]
+    requests: list
+    sent: list[torch.Tensor]
+    group: object
+    timeout: object
+
+    def wait(self) -> list[torch.Tensor]:
+        def run():
+            for request in self.requests:
+                # gloo's wait on a point-to-point request does not apply the group's timeout by itself
+                request.wait() if self.timeout is None else request.wait(self.timeout)
+
+        if self.requests:
+            _raising("ring pass", self.group, run)
+        self.requests, self.sent = [], []
+        return self.received
+
+
+# Whether a ring pass runs behind the compute that follows it (True: `start_pass` returns at once, the caller waits
+# after computing) or completes before it (False: the pass waits where it starts — the schedule before the overlap,
+# kept for benchmarks/ring_overlap.py to compare). The same collectives in the same order either way.
+OVERLAP = True
+
+
+def start_pass(tensors: list[torch.Tensor], group, next_rank: int, prev_rank: int, tag: int = 0) -> PendingPass:
+    """Post the sends of `tensors` to `next_rank` and the receives of the same shapes from `prev_rank` (global ranks
+    of `group`, a ring) in one batch, and return at once: one communication of the rank's sequence (recorded and
+    ordered as issued here), its completion awaited by `PendingPass.wait`. `tag` keeps two rings on the same ranks
+    apart (the keys and their gradients in backward). No autograd: the ring's functions call it in forward and
+    backward. With `OVERLAP` off the pass is complete when this returns."""
     received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), next_rank, group=group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, prev_rank, group=group) for r in received]
+    sent = [t.contiguous() for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, next_rank, group=group, tag=tag) for t in sent]
+    ops += [dist.P2POp(dist.irecv, r, prev_rank, group=group, tag=tag) for r in received]
+    requests = _communicate("ring pass", group, sum(t.numel() for t in tensors), lambda: dist.batch_isend_irecv(ops))
+    pending = PendingPass(received, requests, sent, group, _timeout_of(group))
+    if not OVERLAP:
+        pending.wait()
+    return pending
 
-    timeout = _timeout_of(group)
 
-    def run():
-        for request in dist.batch_isend_irecv(ops):
-            # gloo's wait on a point-to-point request does not apply the group's timeout by itself
-            request.wait() if timeout is None else request.wait(timeout)
-
-    _communicate("ring pass", group, sum(t.numel() for t in tensors), run)
-    return received
+def pass_around(tensors: list[torch.Tensor], group, next_rank: int, prev_rank: int) -> list[torch.Tensor]:
+    """Send `tensors` to `next_rank` and receive the same shapes from `prev_rank`, and wait for both (`start_pass`)."""
+    return start_pass(tensors, group, next_rank, prev_rank).wait()
 
 
 def all_gather_small(values: torch.Tensor, group, size: int) -> torch.Tensor:

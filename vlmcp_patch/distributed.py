@@ -9,6 +9,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +19,15 @@ import torch.distributed as dist
 from .collectives import gather_keep_local_grad
 from .errors import UnsupportedSetupError
 from .flags import BYPASS, scoped
+from .layout import ulysses_degree
 from .patching import cp_size
 from .settings import SETTINGS
 
 _GROUPS: dict[tuple[int, int], object] = {}
 _HYBRID: dict[tuple[int, int, int], dict] = {}  # (world, P, U) -> this rank's Ulysses subgroup and ring
 _WORLD_GROUP: dict[int, object] = {}
+# world size -> the node size every rank agreed on (None: unknown), or the UnsupportedSetupError the launch gets
+_NODE_SIZE: dict[int, int | None | UnsupportedSetupError] = {}
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ def _release_groups() -> None:
     _GROUPS.clear()
     _WORLD_GROUP.clear()
     _HYBRID.clear()
+    _NODE_SIZE.clear()
 
 
 def _new_group(ranks: list[int], role: str):
@@ -91,6 +97,93 @@ def _new_group(ranks: list[int], role: str):
     if not _GROUPS and not _WORLD_GROUP and not _HYBRID:
         atexit.register(_release_groups)
     return dist.new_group(ranks=ranks, timeout=_timeout_of_default_group(), group_desc=f"vlmcp_{role}")
+
+
+def launcher_node() -> dict:
+    """What the launcher says about this process's node (torchrun / accelerate / deepspeed set these): ranks per node
+    (`LOCAL_WORLD_SIZE`, None when not set), the node's index (`GROUP_RANK`, else None), and the host; with the
+    Ulysses size this process was given (VLMCP_ULYSSES_SIZE, 0: automatic), which every rank must share too."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    group = os.environ.get("GROUP_RANK", "").strip()
+    return {"local_world_size": int(local) if local.isdigit() else None,
+            "group_rank": int(group) if group.isdigit() else None, "host": socket.gethostname(),
+            "ulysses_size": SETTINGS.ulysses_size}
+
+
+def agreed_node_size(nodes: list[dict]) -> int | None:
+    """The node size N the layout places groups by, from every rank's `launcher_node()` (index = global rank), or
+    None when no rank knows it (all ranks then count as one node). Checked where it can be: every rank states the
+    same N, N divides the world, rank r's node r // N is its GROUP_RANK (the launcher numbers ranks node by node),
+    and the ranks of one node share a host (different nodes may share one: agents simulating nodes on one host).
+    UnsupportedSetupError otherwise — the same on every rank, which all see the same list. The ranks' Ulysses sizes
+    (VLMCP_ULYSSES_SIZE) must agree as well: ranks that chose different layouts would wait for each other forever."""
+    overrides = sorted({n.get("ulysses_size", 0) for n in nodes})
+    if len(overrides) > 1:
+        raise UnsupportedSetupError(
+            f"the ranks were given different VLMCP_ULYSSES_SIZE values {overrides} (0: automatic): set it, or call "
+            "enable(ulysses_size=...), alike in every process."
+        )
+    sizes = {n["local_world_size"] for n in nodes}
+    if sizes == {None}:
+        return None
+    world = len(nodes)
+    problem = None
+    if len(sizes) > 1:
+        problem = f"the ranks report different LOCAL_WORLD_SIZE values {sorted(sizes, key=str)}"
+    else:
+        size = sizes.pop()
+        wrong_node = [r for r, n in enumerate(nodes) if n["group_rank"] not in (None, r // size)]
+        hosts = {}
+        for r, n in enumerate(nodes):
+            hosts.setdefault(r // size, set()).add(n["host"])
+        if size < 1 or world % size:
+            problem = f"LOCAL_WORLD_SIZE={size} does not divide the world size {world}"
+        elif wrong_node:
+            problem = (f"rank {wrong_node[0]} has GROUP_RANK {nodes[wrong_node[0]]['group_rank']}, not "
+                       f"{wrong_node[0] // size}: the ranks are not numbered node by node")
+        elif any(len(h) > 1 for h in hosts.values()):
+            node = next(k for k, h in hosts.items() if len(h) > 1)
+            problem = (f"ranks {node * size}..{node * size + size - 1} (one node of {size}) run on hosts "
+                       f"{sorted(hosts[node])}")
+    if problem:
+        raise UnsupportedSetupError(
+            f"vlmcp-patch places the Ulysses subgroups inside nodes from the launcher's LOCAL_WORLD_SIZE, but "
+            f"{problem}. Launch the same number of processes on every node with torchrun / accelerate / deepspeed "
+            "(ranks numbered node by node)."
+        )
+    return size
+
+
+def node_size() -> int | None:
+    """Ranks per node for the layout (`layout.ulysses_degree`): agreed by every rank when the CP groups were created
+    (`agreed_node_size`), else — before that, or without torch.distributed — this process's LOCAL_WORLD_SIZE; None:
+    unknown (one node)."""
+    world = dist.get_world_size() if distributed_ready() else None
+    if world not in _NODE_SIZE:
+        return launcher_node()["local_world_size"]
+    agreed = _NODE_SIZE[world]
+    if isinstance(agreed, UnsupportedSetupError):
+        raise UnsupportedSetupError(str(agreed))  # a fresh one each time: every forward of the launch refuses
+    return agreed
+
+
+def ulysses_for(size: int, heads: list[int]) -> int:
+    """U of the P = U x R layout at CP size `size` for these head counts, on this launch's nodes (`node_size`), or
+    as VLMCP_ULYSSES_SIZE sets it (checked: UnsupportedSetupError). The same on every rank of a launch."""
+    return ulysses_degree(size, heads, node_size(), SETTINGS.ulysses_size or None)
+
+
+def _agree_on_nodes(world: int) -> None:
+    """Every rank's launcher view gathered once per world (collective: with the groups, before any compute); a
+    launch that fails the checks raises here on every rank, and again at every later forward."""
+    if world not in _NODE_SIZE:
+        nodes = [None] * world
+        dist.all_gather_object(nodes, launcher_node(), group=world_group())
+        try:
+            _NODE_SIZE[world] = agreed_node_size(nodes)
+        except UnsupportedSetupError as error:
+            _NODE_SIZE[world] = error
+    node_size()
 
 
 def _group_for(size: int):
@@ -106,6 +199,7 @@ def _group_for(size: int):
             if start <= dist.get_rank() < start + size:
                 mine = group
         _GROUPS[key] = mine
+    _agree_on_nodes(world)  # U depends on it: every rank must place the subgroups alike
     return _GROUPS[key]
 
 

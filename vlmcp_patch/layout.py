@@ -120,10 +120,59 @@ def kv_replication_factor(num_heads: int, num_kv_heads: int, size: int) -> int |
     return next(k for k in range(1, group + 1) if group % k == 0 and (num_kv_heads * k) % size == 0)
 
 
-def ulysses_degree(size: int, divisible: Sequence[int]) -> int:
-    """U of the P = U x R layout: the largest divisor of `size` that divides every head count in `divisible` (the
-    query heads of softmax attention; the DeltaNet value heads). R = size // U ranks then form a ring."""
-    return max(u for u in range(1, size + 1) if size % u == 0 and all(n % u == 0 for n in divisible))
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def ulysses_degree(size: int, divisible: Sequence[int], node_size: int | None = None,
+                   override: int | None = None) -> int:
+    """U of the P = U x R layout; R = size // U ranks then form a ring.
+
+    U divides `size` and every head count in `divisible` (the query heads of softmax attention; the DeltaNet value
+    heads). Without `override` it is the largest such U that also divides `node_size` (ranks per node; None: one
+    node holds everything): ranks are numbered node by node and every Ulysses subgroup is U consecutive ranks
+    starting at a multiple of U, so U | node_size is exactly what keeps each subgroup's all-to-all — the exchange of
+    every layer, the heavy one — inside a node, while the ring (R - 1 point-to-point hops) strides across nodes.
+    When a CP group lies inside one node (size divides node_size) this is the largest U the heads allow, as without
+    nodes. `override` (VLMCP_ULYSSES_SIZE) is returned as given once it divides `size`, the heads and the node size
+    (or is a multiple of the node size dividing `size`: whole nodes per subgroup, an all-to-all over the network by
+    choice); otherwise UnsupportedSetupError, raised before any compute. At size 1 U is 1 whatever the override."""
+    if override is not None and size > 1:
+        return _checked_override(size, divisible, node_size, override)
+    node = size if node_size is None else node_size
+    return max(u for u in _divisors(size) if node % u == 0 and all(n % u == 0 for n in divisible))
+
+
+def _checked_override(size: int, divisible: Sequence[int], node_size: int | None, override: int) -> int:
+    """`override` as U if it is a valid one (`ulysses_degree`), else UnsupportedSetupError saying which are."""
+    from .errors import UnsupportedSetupError
+
+    allowed = [u for u in _divisors(size) if all(n % u == 0 for n in divisible)]
+    problem = None
+    if override not in allowed:
+        problem = (f"it must divide the CP size {size} and the head counts {list(divisible)}; the Ulysses sizes "
+                   f"these allow: {allowed}")
+    elif node_size is not None and node_size % override and override % node_size:
+        fits = [u for u in allowed if node_size % u == 0 or u % node_size == 0]
+        problem = (f"a subgroup of {override} consecutive ranks would straddle nodes of {node_size} ranks (the "
+                   f"launcher's LOCAL_WORLD_SIZE); choose among {fits}")
+    if problem:
+        raise UnsupportedSetupError(f"VLMCP_ULYSSES_SIZE={override} (enable(ulysses_size=...)) cannot be used: "
+                                    f"{problem}, or unset it to let the layout choose.")
+    return override
+
+
+def node_spans(size: int, ulysses: int, node_size: int, world: int | None = None) -> dict[str, bool]:
+    """How the groups of the P = U x R layout over `world` ranks (default: one CP group) sit on nodes of
+    `node_size` consecutive ranks: `ulysses_inside_node` — every Ulysses subgroup lies inside one node;
+    `ring_crosses_nodes` — some ring has members on two nodes. Pure arithmetic on the rank numbering of
+    `distributed.hybrid_groups` (CP blocks of `size`, subgroups of `ulysses` consecutive ranks, rings of stride U)."""
+    world = size if world is None else world
+    node = [r // node_size for r in range(world)]
+    subgroups = [range(s, s + ulysses) for s in range(0, world, ulysses)]
+    rings = [range(b + m, b + size, ulysses) for b in range(0, world, size) for m in range(ulysses)]
+    return {"ulysses_inside_node": all(len({node[r] for r in g}) == 1 for g in subgroups),
+            "ring_crosses_nodes": any(len({node[r] for r in g}) > 1 for g in rings)}
 
 
 @dataclass(frozen=True)

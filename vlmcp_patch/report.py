@@ -76,23 +76,43 @@ def layout() -> list[str]:
     lines.append(f"  CP groups (blocks of {size} consecutive ranks): {shown}")
     lines.append(f"  data-parallel replicas: {world // size}; this rank: replica {rank // size}, "
                  f"position {rank % size}")
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    lines.append(f"  ranks per node (LOCAL_WORLD_SIZE): {local or 'not set: one node'}; Ulysses size: "
+                 f"{SETTINGS.ulysses_size or 'automatic, inside a node'} (VLMCP_ULYSSES_SIZE)")
     lines.append(f"  vision data parallelism: {'on' if SETTINGS.vision_dp else 'off'}")
     return lines
 
 
-def model_layout(text_config, sizes) -> list[str]:
-    """How a model's heads split at each CP size: U ranks exchange sequence for heads, R subgroups form a ring."""
-    from .attention.heads import has_deltanet, ulysses_of
+def model_layout(text_config, sizes, node_size: int | None = None) -> list[str]:
+    """How a model's heads split at each CP size: U ranks exchange sequence for heads, R subgroups form a ring; with
+    `node_size` (ranks per node), where the subgroups and rings fall on the nodes (`layout.ulysses_degree`)."""
+    from .errors import UnsupportedSetupError
+    from .attention.heads import has_deltanet
+    from .layout import node_spans, ulysses_degree
 
-    heads = f"{text_config.num_attention_heads} query heads"
+    heads = [text_config.num_attention_heads]
+    described = f"{text_config.num_attention_heads} query heads"
     if has_deltanet(text_config):
-        heads += f", {text_config.linear_num_value_heads} DeltaNet value heads"
-    lines = [f"  {heads}"]
+        heads.append(text_config.linear_num_value_heads)
+        described += f", {text_config.linear_num_value_heads} DeltaNet value heads"
+    nodes = f"nodes of {node_size} ranks" if node_size else "one node"
+    override = f", VLMCP_ULYSSES_SIZE={SETTINGS.ulysses_size}" if SETTINGS.ulysses_size else ""
+    lines = [f"  {described}; {nodes}{override}"]
     for size in sizes:
-        ulysses = ulysses_of(text_config, size)
+        try:
+            ulysses = ulysses_degree(size, heads, node_size, SETTINGS.ulysses_size or None)
+        except UnsupportedSetupError as error:
+            lines.append(f"  P={size:<3d} refused: {error}")
+            continue
         ring = size // ulysses
         how = "all-to-all only" if ring == 1 else f"a ring of {ring}" if ulysses == 1 else \
             f"all-to-all among {ulysses}, a ring of {ring}"
+        if node_size and node_size % size:  # the group spans nodes (or straddles them)
+            spans = node_spans(size, ulysses, node_size, world=size * node_size)
+            where = [] if ulysses == 1 else [
+                "all-to-all inside a node" if spans["ulysses_inside_node"] else "ALL-TO-ALL ACROSS NODES"]
+            where += ["ring across nodes"] if spans["ring_crosses_nodes"] else []
+            how += "".join(f"; {w}" for w in where)
         lines.append(f"  P={size:<3d} U={ulysses} x R={ring}  ({how})")
     return lines
 
@@ -137,15 +157,16 @@ def self_test() -> list[tuple[str, bool, str]]:
     return results
 
 
-def report(run_self_test: bool = True, text_config=None, name: str = "") -> tuple[str, bool]:
+def report(run_self_test: bool = True, text_config=None, name: str = "",
+           node_size: int | None = None) -> tuple[str, bool]:
     """The report's text and whether the self-test passed; with `text_config` (of the model `name`), how its heads
-    split at the CP size in effect and at 2 to 16."""
+    split at the CP size in effect and at 2 to 16 (and, with `node_size`, at multiples of it up to 8 nodes)."""
     from . import status
 
     lines = ["== versions", *versions(), "== optional kernels", *kernels(), "== CP layout of this launch", *layout()]
     if text_config is not None:
-        sizes = sorted({cp_size(), *range(2, 17)} - {1})
-        lines += [f"== {name}: Ulysses x ring by CP size", *model_layout(text_config, sizes)]
+        sizes = sorted({cp_size(), *range(2, 17), *(node_size * n for n in range(1, 9) if node_size)} - {1})
+        lines += [f"== {name}: Ulysses x ring by CP size", *model_layout(text_config, sizes, node_size)]
     lines += ["== supported models", "  " + ", ".join(supported_class_names()), "== patches", *patches(status())]
     ok = True
     if run_self_test:

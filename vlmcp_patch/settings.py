@@ -11,6 +11,7 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_MATCH_VISION_PASSES` | `match_vision_passes` | CP only | placeholder vision passes, replicas without images |
 | `VLMCP_LOSS_CHUNK` | `loss_chunk_tokens` | auto | tokens per chunk of the chunked LM head + loss under CP |
 | `VLMCP_SPLIT_ROLLOUTS` | `split_rollouts` | off | TRL's RL rollouts: each rank of a CP group generates its share |
+| `VLMCP_ULYSSES_SIZE` | `ulysses_size` | auto | U of P = U x R: ranks per all-to-all subgroup, in a node |
 | `VLMCP_TIMEOUT` | `timeout` | the user's | seconds a collective of the CP groups may wait before it raises |
 | `VLMCP_DEBUG_COLLECTIVES` | `debug_collectives` | off | ranks compare their collectives after each forward and backward |
 | `VLMCP_DISABLE` | (`revert()`) | off | nothing is patched; every helper reports P=1 |
@@ -66,6 +67,9 @@ class Settings:
     loss_chunk_tokens: int = 0  # 0: sized automatically (loss.chunk_tokens: fp32 logits ~32x the slice's hidden states)
     # TRL's RL rollouts under CP: each rank generates its share of the group's prompts (faster, other draws).
     split_rollouts: bool = False
+    # U of the P = U x R layout (0: chosen by layout.ulysses_degree, the subgroups inside a node); checked against the
+    # heads and the node size before any compute.
+    ulysses_size: int = 0
     # Seconds a collective of the CP groups waits for the other ranks before it raises (0: the timeout the user gave
     # the default group). Read when the groups are created.
     timeout: float = 0
@@ -79,6 +83,9 @@ class Settings:
             raise UnsupportedSetupError(
                 f"loss_chunk_tokens must be a non-negative integer, got {self.loss_chunk_tokens!r}"
             )
+        if not isinstance(self.ulysses_size, int) or isinstance(self.ulysses_size, bool) or self.ulysses_size < 0:
+            raise UnsupportedSetupError(
+                f"ulysses_size must be a positive integer (0: automatic), got {self.ulysses_size!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout < 0:
             raise UnsupportedSetupError(f"timeout must be a number of seconds >= 0, got {self.timeout!r}")
 
@@ -91,6 +98,7 @@ def _from_environment() -> Settings:
         match_vision_passes=env_flag("VLMCP_MATCH_VISION_PASSES", None),
         loss_chunk_tokens=env_int("VLMCP_LOSS_CHUNK", 0),
         split_rollouts=env_flag("VLMCP_SPLIT_ROLLOUTS"),
+        ulysses_size=env_int("VLMCP_ULYSSES_SIZE", 0),
         timeout=env_float("VLMCP_TIMEOUT", 0),
         debug_collectives=env_flag("VLMCP_DEBUG_COLLECTIVES"),
     )
@@ -109,6 +117,7 @@ def enable(
     match_vision_passes: bool | None = None,
     loss_chunk_tokens: int | None = None,
     split_rollouts: bool | None = None,
+    ulysses_size: int | None = None,
     timeout: float | None = None,
     debug_collectives: bool | None = None,
 ) -> Settings:
@@ -123,6 +132,7 @@ def enable(
         "match_vision_passes": match_vision_passes,
         "loss_chunk_tokens": loss_chunk_tokens,
         "split_rollouts": split_rollouts,
+        "ulysses_size": ulysses_size,
         "timeout": timeout,
         "debug_collectives": debug_collectives,
     }

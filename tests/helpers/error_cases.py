@@ -88,6 +88,11 @@ def cp_size_not_dividing_world(rank):
 
 
 @scenario
+def ulysses_size_not_dividing_p(rank):  # VLMCP_ULYSSES_SIZE=4 at P=2
+    return vl_model(), one_sample(), {"_ulysses_size": 4}
+
+
+@scenario
 def eager_attention(rank):
     return build_model(tiny_qwen3_vl_config(attn_implementation="eager")), one_sample(), {}
 
@@ -522,11 +527,12 @@ def run_error_cases(rank: int, world_size: int, names: list[str]) -> dict:
     for name in names:
         model, inputs, extra = SCENARIOS[name](rank)
         size = extra.pop("_cp_size", world_size)
-        vlmcp_patch.enable(cp_size=size, vision_dp=extra.pop("_vision_dp", True))
+        vlmcp_patch.enable(cp_size=size, vision_dp=extra.pop("_vision_dp", True),
+                           ulysses_size=extra.pop("_ulysses_size", 0))
         try:
             results[name] = outcome(model, inputs, extra)
         finally:
-            vlmcp_patch.enable(cp_size=1, vision_dp=True)
+            vlmcp_patch.enable(cp_size=1, vision_dp=True, ulysses_size=0)
         results[name]["p1"] = outcome(model, inputs, extra)
     results["weights_loaded_differently"] = _weights_loaded_differently(rank, world_size)
     # Collectives are still matched after all of that: a normal CP step runs.

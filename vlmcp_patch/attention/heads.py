@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..errors import UnsupportedSetupError
-from ..layout import kv_replication_factor, ulysses_degree
+from ..distributed import ulysses_for
+from ..layout import kv_replication_factor
 
 
 class Axes(NamedTuple):
@@ -43,8 +44,9 @@ def has_deltanet(text_config) -> bool:
 
 def ulysses_of(text_config, size: int) -> int:
     """U of the P = U x R layout for a model: the largest divisor of P that splits its query heads (and its DeltaNet
-    value heads); the rest of P is a ring (`layout.Split`)."""
+    value heads), inside a node where the heads allow (`layout.ulysses_degree`); the rest of P is a ring
+    (`layout.Split`)."""
     heads = [text_config.num_attention_heads]
     if has_deltanet(text_config):
         heads.append(text_config.linear_num_value_heads)
-    return ulysses_degree(size, heads)
+    return ulysses_for(size, heads)

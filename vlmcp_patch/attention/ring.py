@@ -28,16 +28,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import new_token, ordered, pass_around, remember_order, site, token_grad
+from ..collectives import PendingPass, new_token, ordered, remember_order, site, start_pass, token_grad
 from ..context import CPContext
 from ..distributed import RingPeers
 
 NEG_INF = float("-inf")
 
 
-def _pass_on(tensors: list[torch.Tensor], peers: RingPeers) -> list[torch.Tensor]:
-    """Send `tensors` to the next member of the ring and receive the previous member's (the same shapes)."""
-    return pass_around(tensors, peers.group, peers.next_rank, peers.prev_rank)
+KEYS, GRADIENTS = 0, 1  # the tags of the two rings of backward: keys and values, their gradients
+
+
+def _pass_on(tensors: list[torch.Tensor], peers: RingPeers, tag: int = KEYS) -> PendingPass:
+    """Start sending `tensors` to the next member of the ring and receiving the previous member's (the same shapes);
+    the caller computes, then waits (`PendingPass.wait`): the transfer runs behind that compute."""
+    return start_pass(tensors, peers.group, peers.next_rank, peers.prev_rank, tag)
 
 
 def block_mask(q_pos: torch.Tensor, q_seg: torch.Tensor, k_pos: torch.Tensor, k_seg: torch.Tensor) -> torch.Tensor:
@@ -171,13 +175,13 @@ class _RingAttention(torch.autograd.Function):
         held_k, held_v = k, v
         for step in range(peers.size):
             owner = (peers.index - step) % peers.size
-            if step < peers.size - 1:
-                incoming = _pass_on([held_k, held_v], peers)
+            # double buffer: the next step's keys travel while this step's are computed on
+            incoming = _pass_on([held_k, held_v], peers) if step < peers.size - 1 else None
             block_out, block_lse = kernel.forward(q, held_k, held_v, shares.block(peers.index, owner), scale)
             if block_out is not None:
                 out, lse = merge_fn(out, lse, block_out, block_lse)
-            if step < peers.size - 1:
-                held_k, held_v = incoming
+            if incoming is not None:
+                held_k, held_v = incoming.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.shares, ctx.peers, ctx.scale, ctx.kernel = shares, peers, scale, kernel
         remember_order(ctx, token)
@@ -191,26 +195,33 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dout, grad_token):
+        """Two rings, each step's transfers behind its compute: the keys and values move on as in forward (posted
+        before the block is computed), and the gradients of the keys a member holds follow one step behind — they
+        arrive while it computes its block and leave, with its share added, for the next member, reaching their
+        owner after R passes. Every member issues the same passes in the same order: keys 0, gradients 0, keys 1,
+        gradients 1, ..., keys R-2, gradients R-2, gradients R-1."""
         q, k, v, out, lse = ctx.saved_tensors
         shares, peers, scale = ctx.shares, ctx.peers, ctx.scale
         dq = torch.zeros_like(q, dtype=torch.float32)
         held_k, held_v = k, v
-        held_dk, held_dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        gradients = None  # the pass bringing the gradients of the keys held, summed over the members before
         for step in range(peers.size):
             owner = (peers.index - step) % peers.size
+            incoming = _pass_on([held_k, held_v], peers) if step < peers.size - 1 else None
             dq_b, dk_b, dv_b = ctx.kernel.backward(dout, q, held_k, held_v, out, lse,
                                                    shares.block(peers.index, owner), scale)
             dq += dq_b
-            held_dk, held_dv = held_dk + dk_b, held_dv + dv_b
+            held_dk, held_dv = dk_b.float(), dv_b.float()
+            if gradients is not None:
+                before_dk, before_dv = gradients.wait()
+                held_dk, held_dv = held_dk + before_dk, held_dv + before_dv
+            if incoming is not None:
+                held_k, held_v = incoming.wait()
             if peers.size == 1:
                 break
-            # the gradients travel with their keys: after the last block they take one more hop, to their owner
-            moving = [held_dk, held_dv] if step == peers.size - 1 else [held_k, held_v, held_dk, held_dv]
-            moved = _pass_on(moving, peers)
-            if step < peers.size - 1:
-                held_k, held_v, held_dk, held_dv = moved
-            else:
-                held_dk, held_dv = moved
+            gradients = _pass_on([held_dk, held_dv], peers, GRADIENTS)
+        if gradients is not None:  # the last pass brought this member's own keys' gradients back
+            held_dk, held_dv = gradients.wait()
         return (dq.to(q.dtype), held_dk.to(k.dtype), held_dv.to(v.dtype), None, None, None, None, None,
                 token_grad(ctx, grad_token))
 
