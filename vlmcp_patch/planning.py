@@ -266,6 +266,7 @@ class Training:
     tiled_mlp: bool = False
     stock_head: bool = False
     freeze_vision: bool = False
+    attention: str = "flash_attention_2"  # or "sdpa": the ring's blocks then run tiled fp32 torch math
 
 
 @dataclass(frozen=True)
@@ -282,8 +283,11 @@ class Constants:
     vision_work: float = 1.0
 
 
-# Fitted by `python -m benchmarks.plan_check --fit` (docs/plan.md "checked against measurements").
-CALIBRATED = Constants()
+# Fitted by `python -m benchmarks.plan_check --fit` on this repository's CPU runs (fp32, torch's sdpa and its
+# pure-torch delta rule; docs/plan.md "checked against measurements"). The DeltaNet ones carry the torch fallback's
+# intermediates: with flash-linear-attention's kernels on a GPU they overestimate.
+CALIBRATED = Constants(attention=1.154, deltanet=2.381, vision=1.122, attention_work=1.790, deltanet_work=2.491,
+                       vision_work=1.830)
 
 # ------------------------------------------------------------------------------------------------------------
 # Layouts
@@ -346,9 +350,17 @@ def deltanet_elements(d: ModelDims, ulysses: int) -> float:
     v, hv = d.linear_v_heads * d.linear_v_dim, d.linear_v_heads
     projections = 2 * k + 2 * v + 2 * hv
     conv = 3 * (2 * k_rep + v)
-    rule = 2 * k_rep + 2 * hv + 64 * hv + hv * d.linear_k_dim * d.linear_v_dim / 64
+    rule = deltanet_rule_elements(d, ulysses)
     out = v + 3 * v + v
     return 4 * d.hidden + projections + conv + rule + out + 4 * d.intermediate
+
+
+def deltanet_rule_elements(d: ModelDims, ulysses: int) -> float:
+    """Per local token, the chunked delta rule's own saved elements: L2-normed q and k (key heads replicated for
+    U), the two gates, its 64-token chunk matrices (64 per head) and the per-chunk states (H_v d_k d_v / 64)."""
+    k_rep = replicated(d.linear_k_heads, d.linear_v_heads, ulysses) * d.linear_k_dim
+    hv = d.linear_v_heads
+    return 2 * k_rep + 2 * hv + 64 * hv + hv * d.linear_k_dim * d.linear_v_dim / 64
 
 
 def vision_elements(d: ModelDims) -> float:
@@ -459,6 +471,10 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     if t.tiled_mlp:  # ALST's tiled MLP: the MLP's 4 I per token are recomputed in tiles, not kept
         att, dn = att - 4 * d.intermediate, (dn - 4 * d.intermediate if dn else 0.0)
     features = vision_local * d.hidden * (1 + d.deepstack)  # merged + deepstack features routed to this rank
+    # DeltaNet across a ring: the (M, B) pass of each chunk runs the delta rule a second time and keeps its
+    # intermediates for backward (one more set of the rule's per-token elements)
+    ring_rule = deltanet_rule_elements(d, ulysses) if (ring > 1 and d.linear_layers) else 0.0
+    dn += ring_rule
     m = Memory()
     if not t.gradient_checkpointing:
         m.activations = b * local * (d.full_layers * c.attention * att + d.linear_layers * c.deltanet * dn)
@@ -477,11 +493,15 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
         m.head = 3 * 4.0 * local * d.vocab + 4.0 * local * d.hidden
     else:
         chunk = head_chunk_tokens(local, d.hidden, d.vocab)
-        m.head = (4 + b) * chunk * d.vocab + 4.0 * local * d.hidden
+        copy = b if b < 4 else 0  # the cast back to the head's dtype is a no-op in fp32
+        m.head = (4 + copy) * chunk * d.vocab + 4.0 * local * d.hidden
     hd, kv = d.heads * d.head_dim, replicated(d.kv_heads, d.heads, ulysses) * d.head_dim
     exchange = 2 * local * (hd + 2 * kv) if ulysses > 1 else 0  # send and receive buffers of q, k, v
     if ring > 1:  # K/V of the block in flight and the next (2 x 2 H_kv' D per token of the subgroup's share / U)
-        exchange += 4 * local * kv + 2 * 512 * 512 * 4 * max(1, d.heads // ulysses)  # fp32 tiles
+        exchange += 4 * local * kv
+        if t.attention == "sdpa":  # tiled fp32 math: a tile's scores, masked scores and probabilities alive at once
+            tile = min(512, local * ulysses)
+            exchange += (4 / b) * 3 * tile * tile * (d.heads // ulysses)
         if d.linear_layers:  # every chunk's (M, B): 2R chunks x H_v / U heads x d_k x (d_k + d_v), fp32
             exchange += (4 / b) * 2 * ring * (d.linear_v_heads / ulysses) * d.linear_k_dim * (
                 d.linear_k_dim + d.linear_v_dim)
