@@ -218,9 +218,11 @@ def calibrate_cpu(dims) -> Hardware:
         out.sum().backward()
 
     attn = rate(attention, 3.5 * 2 * s * s * h * d, repeats=3)  # forward + backward (2.5 x)
+    tile = torch.randn(h // 2, 512, 512)
+    passes = rate(lambda: torch.exp(tile * 0.5), 2 * tile.numel())  # elementwise passes over fp32 tiles
     bandwidth = gloo_bandwidth()
     return Hardware("this CPU, one thread per rank, gloo", 0, matmul / 1e12, attn / 1e12, matmul / 1e12 / 4,
-                    bandwidth / 1e9, bandwidth / 1e9, latency_s=1e-4)
+                    bandwidth / 1e9, bandwidth / 1e9, latency_s=1e-4, tile_gelems=passes / 1e9)
 
 
 def _bandwidth_worker(rank: int, world_size: int, elements: int) -> float:
@@ -277,7 +279,7 @@ def time_check() -> list[str]:
     training = Training(sharding="none", gradient_checkpointing=False, bytes_per_value=4, attention="sdpa")
     out = ["== time: predicted vs measured step time of the busiest rank (CPU seconds, one thread per rank)",
            f"calibration: matmul {hw.matmul_tflops * 1e3:.1f} GFLOP/s, attention {hw.attention_tflops * 1e3:.1f} "
-           f"GFLOP/s, gloo all-to-all {hw.nvlink_gbs:.2f} GB/s",
+           f"GFLOP/s, fp32 tile passes {hw.tile_gelems:.2f} G elements/s, gloo all-to-all {hw.nvlink_gbs:.2f} GB/s",
            f"qwen3-vl at widths / {TIME_SCALE} (hidden {dims.hidden}), 2 layers, {row.tokens} tokens text-heavy; "
            f"FLOPs {sum(step_flops(dims, row, training).values()) / 1e9:.1f} G per step"]
     out.append(f"{'P':>2} {'UxR':>5} {'measured s':>10} {'predicted s':>11} {'compute':>8} {'a2a':>6} {'ring':>6} "

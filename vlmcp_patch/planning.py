@@ -232,6 +232,9 @@ class Hardware:
     ib_gbs: float
     latency_s: float = 20e-6
     usable: float = 0.92  # of memory_gib: the allocator's fragmentation and the CUDA context
+    # G elements/s of one elementwise pass over fp32 tiles: the ring's block kernel under sdpa is tiled torch math
+    # (memory-bound passes over each 512 x 512 tile), not a fused kernel; 0: not priced (flash-attn's varlen kernel)
+    tile_gelems: float = 0.0
 
 
 # Defaults (docs/plan.md "defaults"): H100 SXM 80 GB, H200 141 GB, bf16 dense peak 989 TFLOP/s; attained rates as
@@ -538,6 +541,20 @@ def step_flops(d: ModelDims, row: Row, t: Training) -> dict[str, float]:
             "deltanet": passes * deltanet_fwd}
 
 
+TILE_PASSES_FORWARD, TILE_PASSES_BACKWARD = 8, 7  # elementwise passes per tile element in ring.py's torch kernel
+
+
+def ring_tile_seconds(d: ModelDims, hw: Hardware, local: float, ulysses: int, ring: int, forward_passes: int) -> float:
+    """Seconds of the ring's tiled fp32 math under sdpa (`attention/ring.py`): per layer, a rank meets its subgroup's
+    U x local queries with each of the R subgroups' keys for H/U heads; under the zigzag about (R + 1) / 2 of those
+    blocks hold tiles where some query may attend; each element takes ~8 elementwise passes forward (scale, mask,
+    log-sum-exp, subtract, exp, merge) and ~7 backward (the same recomputed, the two gradient products)."""
+    queries = local * ulysses
+    elements = d.full_layers * queries * queries * (d.heads / ulysses) * (ring + 1) / 2
+    passes = TILE_PASSES_FORWARD * forward_passes + TILE_PASSES_BACKWARD
+    return elements * passes / (hw.tile_gelems * 1e9)
+
+
 def link_gbs(hw: Hardware, span: int, gpus_per_node: int) -> float:
     """Bandwidth of a collective among `span` consecutive ranks: NVLink within a node, InfiniBand across."""
     return hw.nvlink_gbs if span <= gpus_per_node else hw.ib_gbs
@@ -558,6 +575,8 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
         compute_s += attention_s
     out = Time(compute=compute_s)
     local = row.tokens / size
+    if ring > 1 and t.attention == "sdpa" and hw.tile_gelems:
+        out.compute += ring_tile_seconds(d, hw, local, ulysses, ring, forward_passes=2 if t.gradient_checkpointing else 1)
     forward_passes = 2 if t.gradient_checkpointing else 1
     if ulysses > 1:
         hd, kv = d.heads * d.head_dim, replicated(d.kv_heads, d.heads, ulysses) * d.head_dim
