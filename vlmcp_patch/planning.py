@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 GIB = 2**30
 
@@ -183,11 +183,11 @@ class Row:
         return self.vision_tokens * dims.merge**2
 
     @staticmethod
-    def text(tokens: int) -> "Row":
+    def text(tokens: int) -> Row:
         return Row(tokens=tokens)
 
     @staticmethod
-    def video(tokens: int, side: int = 448, patch: int = 16, merge: int = 2, question: int = 256) -> "Row":
+    def video(tokens: int, side: int = 448, patch: int = 16, merge: int = 2, question: int = 256) -> Row:
         """A row of one long video (frames of side x side pixels) and a short question, `tokens` in all: the frames
         are cut in temporal patch groups of (side / patch)^2 patches, one vision attention each."""
         per_group = (side // patch) ** 2
@@ -195,7 +195,7 @@ class Row:
 
     @staticmethod
     def from_items(text: int = 0, images: tuple = (), videos: tuple = (), patch: int = 16, merge: int = 2,
-                   temporal: int = 2) -> "Row":
+                   temporal: int = 2) -> Row:
         """A row of `text` text tokens, images (height, width) and videos (frames, height, width) in pixels, one
         sample; sides are rounded to whole merged patches as Qwen's processor does."""
         unit = patch * merge
@@ -576,7 +576,8 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
     out = Time(compute=compute_s)
     local = row.tokens / size
     if ring > 1 and t.attention == "sdpa" and hw.tile_gelems:
-        out.compute += ring_tile_seconds(d, hw, local, ulysses, ring, forward_passes=2 if t.gradient_checkpointing else 1)
+        passes = 2 if t.gradient_checkpointing else 1
+        out.compute += ring_tile_seconds(d, hw, local, ulysses, ring, forward_passes=passes)
     forward_passes = 2 if t.gradient_checkpointing else 1
     if ulysses > 1:
         hd, kv = d.heads * d.head_dim, replicated(d.kv_heads, d.heads, ulysses) * d.head_dim
@@ -670,27 +671,32 @@ def mark(rows: list[PlanRow]) -> None:
 
 
 def _why(r: PlanRow, smallest: PlanRow | None, fastest: PlanRow | None) -> str:
+    """Why a row wins or loses: what overflows memory, or how much slower per GPU than the fastest and which
+    exchange costs it that, and whether the package would pick this layout at this P."""
     if not r.fits:
         m = r.memory
         parts = {"weights+grads+optimizer": m.weights + m.gradients + m.optimizer,
-                 "activations": m.activations + m.working, "head": m.head, "exchange": m.exchange}
+                 "activations": m.activations + m.working, "head": m.head, "exchange buffers": m.exchange}
         return f"does not fit: {max(parts, key=parts.get)} dominate"
     notes = []
     if r is smallest:
         notes.append("smallest P that fits")
     if r is fastest:
         notes.append("fastest per GPU")
-    if not r.chosen:
-        notes.append("not the package's choice at this P (it takes the largest U)")
-    if not notes and fastest is not None:
+    elif fastest is not None:
         loss = 1 - r.tokens_per_s_per_gpu / fastest.tokens_per_s_per_gpu
         tm = r.time
         parts = {"all-to-all": tm.all_to_all, "ring": tm.ring, "DeltaNet state": tm.deltanet_state,
                  "ZeRO-3 gathers": tm.sharding}
         worst = max(parts, key=parts.get)
-        cause = f"{worst} {parts[worst] / tm.total:.0%} of the step" if parts[worst] > 0.02 * tm.total else \
-            "compute per GPU only (its share of the attention's quadratic work is the same; weights cost more per rank)"
-        notes.append(f"{loss:.0%} slower per GPU: {cause}")
+        if loss < 0.005:
+            notes.append("as fast per GPU as the fastest")
+        elif parts[worst] > 0.01 * tm.total:
+            notes.append(f"{loss:.0%} slower per GPU: {worst} {parts[worst] / tm.total:.0%} of its step")
+        else:
+            notes.append(f"{loss:.0%} slower per GPU")
+    if not r.chosen:
+        notes.append("not the package's layout at this P (it takes the largest U)")
     return "; ".join(notes)
 
 
@@ -757,8 +763,9 @@ def sizing_table(gpu: str = "h100", gpus_per_node: int = 8, max_gpus: int = 256)
             if small is None:
                 lines.append(f"| {name} | {tokens // 1024}K | more than {max_gpus} | | | | | |")
                 continue
-            lines.append(f"| {name} | {tokens // 1024}K | {small.size} ({small.nodes}) | {small.ulysses} x {small.ring} | "
-                         f"{small.peak_gib:.1f} | {small.time.total:.1f} | {small.tokens_per_s_per_gpu:,.0f} | "
+            lines.append(f"| {name} | {tokens // 1024}K | {small.size} ({small.nodes}) | "
+                         f"{small.ulysses} x {small.ring} | {small.peak_gib:.1f} | {small.time.total:.1f} | "
+                         f"{small.tokens_per_s_per_gpu:,.0f} | "
                          f"{fast.size}, {fast.ulysses} x {fast.ring}, {fast.tokens_per_s_per_gpu:,.0f} |")
     return "\n".join(lines)
 
@@ -795,7 +802,8 @@ def main(argv=None) -> int:
     hw.add_argument("--max-gpus", type=int, default=128)
     hw.add_argument("--sizes", type=int, nargs="+", help="CP sizes to price (default: 1, 2, 4, then whole nodes)")
     for name in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs", "ib_gbs"):
-        hw.add_argument("--" + name.replace("_", "-"), type=float, help="attained rate (benchmarks.gpu_check prints it)")
+        hw.add_argument("--" + name.replace("_", "-"), type=float,
+                        help="attained rate (benchmarks.gpu_check prints it)")
     hw.add_argument("--latency-us", type=float, help="per collective step, microseconds")
     tr = p.add_argument_group("training")
     tr.add_argument("--sharding", default="zero3", choices=["none", "zero1", "zero2", "zero3", "fsdp"])
