@@ -218,11 +218,31 @@ def calibrate_cpu(dims) -> Hardware:
         out.sum().backward()
 
     attn = rate(attention, 3.5 * 2 * s * s * h * d, repeats=3)  # forward + backward (2.5 x)
-    tile = torch.randn(h // 2, 512, 512)
-    passes = rate(lambda: torch.exp(tile * 0.5), 2 * tile.numel())  # elementwise passes over fp32 tiles
+    passes = ring_tile_rate(h // 2, d)
     bandwidth = gloo_bandwidth()
     return Hardware("this CPU, one thread per rank, gloo", 0, matmul / 1e12, attn / 1e12, matmul / 1e12 / 4,
                     bandwidth / 1e9, bandwidth / 1e9, latency_s=1e-4, tile_gelems=passes / 1e9)
+
+
+def ring_tile_rate(heads: int, head_dim: int, tokens: int = 1024) -> float:
+    """Elementwise passes per second of the ring's own block kernel under sdpa (`attention/ring.py`: tiled fp32
+    torch math), timed forward + backward on one block where every query meets every key, in the units the plan
+    prices it: tile elements x (TILE_PASSES_FORWARD + TILE_PASSES_BACKWARD) / seconds. Least of three."""
+    import torch
+
+    from vlmcp_patch.attention.ring import Block, torch_block, torch_block_backward
+    from vlmcp_patch.planning import TILE_PASSES_BACKWARD, TILE_PASSES_FORWARD
+
+    q, k, v = (torch.randn(1, heads, tokens, head_dim) for _ in range(3))
+    positions, segments = torch.arange(tokens), torch.zeros(tokens, dtype=torch.long)
+    block = Block(positions + tokens, segments, positions, segments)  # keys all before the queries: all allowed
+    best = float("inf")
+    for _ in range(3):
+        start = time.thread_time()
+        out, lse = torch_block(q, k, v, block, head_dim**-0.5)
+        torch_block_backward(torch.ones_like(out), q, k, v, out, lse, block, head_dim**-0.5)
+        best = min(best, time.thread_time() - start)
+    return heads * tokens * tokens * (TILE_PASSES_FORWARD + TILE_PASSES_BACKWARD) / best
 
 
 def _bandwidth_worker(rank: int, world_size: int, elements: int) -> float:

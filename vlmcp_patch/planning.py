@@ -546,11 +546,15 @@ TILE_PASSES_FORWARD, TILE_PASSES_BACKWARD = 8, 7  # elementwise passes per tile 
 
 def ring_tile_seconds(d: ModelDims, hw: Hardware, local: float, ulysses: int, ring: int, forward_passes: int) -> float:
     """Seconds of the ring's tiled fp32 math under sdpa (`attention/ring.py`): per layer, a rank meets its subgroup's
-    U x local queries with each of the R subgroups' keys for H/U heads; under the zigzag about (R + 1) / 2 of those
-    blocks hold tiles where some query may attend; each element takes ~8 elementwise passes forward (scale, mask,
-    log-sum-exp, subtract, exp, merge) and ~7 backward (the same recomputed, the two gradient products)."""
+    U x local queries with each of the R subgroups' keys for H/U heads. A tile (512 x 512) where no query may attend
+    is skipped: under the zigzag that is about half of the later chunks' tiles when a chunk is at least a tile long,
+    (R + 1) / 2R of them computed; shorter chunks share tiles and nearly every tile is computed. Each element takes
+    ~8 elementwise passes forward (scale, mask, log-sum-exp, subtract, exp, merge) and ~7 backward (the same
+    recomputed, the two gradient products)."""
     queries = local * ulysses
-    elements = d.full_layers * queries * queries * (d.heads / ulysses) * (ring + 1) / 2
+    chunk = local / 2  # a rank holds two zigzag chunks' share
+    computed = (ring + 1) / (2 * ring) if chunk * ulysses >= 512 else 1.0
+    elements = d.full_layers * queries * queries * (d.heads / ulysses) * ring * computed
     passes = TILE_PASSES_FORWARD * forward_passes + TILE_PASSES_BACKWARD
     return elements * passes / (hw.tile_gelems * 1e9)
 
