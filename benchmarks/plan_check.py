@@ -8,9 +8,10 @@
 1. **Memory.** The memory benchmark's models (Qwen3-VL-2B and Qwen3.5 proportions, widths / 16, two decoder
    layers, three vision blocks), rows of 2,048 tokens, text-heavy and image-heavy, checkpointing off and on, at
    P = 1, 2, 4, 6, 8 (`benchmarks.plan_measure` runs `benchmarks.memory.measure` and caches the busiest rank's
-   peak in out/plan_memory.json). The model's activation constants are fitted on the P = 1 points only
-   (least squares of the relative error); P = 2, 4, 6, 8 are predictions. Compared: what the benchmark counts —
-   activations, the head, exchange buffers and the batch on the device, not weights or gradients.
+   peak in benchmarks/data/plan_memory.json: the run docs/plan.md reports). The model's activation constants are
+   fitted on the P = 1 points only (least squares of the relative error); P = 2, 4, 6, 8 are predictions.
+   Compared: what the benchmark counts — activations, the head, exchange buffers and the batch on the device, not
+   weights or gradients.
 2. **Time.** One short calibration on this CPU (one thread: a matmul's and attention's FLOP/s at the benchmark's
    shapes, gloo's all-to-all bandwidth between two processes), then one training step per layout of a Qwen3-VL
    model at a quarter of the widths (2,048 tokens; P = 1, 2 (2 x 1), 3 (1 x 3), 4 (4 x 1), 6 (2 x 3)): predicted
@@ -44,7 +45,7 @@ from vlmcp_patch.planning import (
 )
 
 MIB = 2**20
-MEMORY_CACHE = "out/plan_memory.json"
+MEMORY_CACHE = "benchmarks/data/plan_memory.json"  # this repository's run (docs/plan.md); --measure redoes it
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -334,6 +335,8 @@ def main(argv=None) -> None:
     if args.measure or not os.path.exists(args.cache):
         from benchmarks import plan_measure
 
+        if args.measure and os.path.exists(args.cache):
+            os.remove(args.cache)  # plan_measure keeps what a file holds: start afresh
         plan_measure.main(["--out", args.cache])
     points = json.load(open(args.cache))
     cache: dict = {}

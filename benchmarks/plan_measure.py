@@ -1,6 +1,6 @@
 """Measure the per-rank peak of the memory benchmark's models for `benchmarks.plan_check` (a cache of one run).
 
-    python -m benchmarks.plan_measure [--out out/plan_memory.json] [--tokens 2048] [--layers 2]
+    python -m benchmarks.plan_measure [--out benchmarks/data/plan_memory.json] [--tokens 2048] [--layers 2]
 
 Each (model, sample, checkpointing, P) is one `benchmarks.memory.measure` run: the busiest rank's peak of live
 bytes (parameter gradients left out, the batch's device bytes in), as that benchmark counts it. Results are
@@ -28,7 +28,7 @@ def memory_args(model: str, sample: str, gc: bool, tokens: int, layers: int) -> 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="out/plan_memory.json")
+    parser.add_argument("--out", default="benchmarks/data/plan_memory.json")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--models", nargs="+", default=["qwen3-vl", "qwen3.5"])
