@@ -1,5 +1,6 @@
 """Plan before you book: a cost model of one CP training step — per-rank peak memory and step time — for each CP
-size P and each U x R layout a model's heads allow. Pure arithmetic: nothing here imports torch at import time.
+size P and each U x R layout a model's heads allow. Pure arithmetic: this module imports nothing heavy itself (the
+package's layout rule, `layout.ulysses_degree`, is imported when a plan is made).
 
     python -m vlmcp_patch plan --model qwen3-vl-8b --video-tokens 1048576 --gpus-per-node 8 --gpu h100
     vlmcp_patch.plan(model="qwen3.5-27b", row=Row.video(524288), gpu="h100")   # -> list[PlanRow]
@@ -635,7 +636,7 @@ def plan(model="qwen3-vl-8b", row: Row | int = 131072, gpu: str | Hardware = "h1
     `row`: a Row, or a token count (one text sample). `gpu`: "h100", "h200" or a Hardware; `memory_gib` and
     `rates` (matmul_tflops, attention_tflops, deltanet_tflops, nvlink_gbs, ib_gbs, latency_s) override its fields.
     Marks: `smallest` on the package's layout at the smallest P that fits; `fastest` on the row of highest tokens/s
-    per GPU among those that fit at that P... and overall (`why` says which)."""
+    per GPU among all rows that fit (any P, any layout); every row's `why` says why it wins or loses."""
     dims = model_dims(model)
     row = Row.text(row) if isinstance(row, int) else row
     hw = GPUS[gpu.lower()] if isinstance(gpu, str) else gpu
