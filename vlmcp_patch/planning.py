@@ -431,6 +431,7 @@ class PlanRow:
     smallest: bool = False
     fastest: bool = False
     why: str = ""
+    other_checkpointing_gib: float = 0.0  # the peak with gradient checkpointing switched the other way
 
     @property
     def peak_gib(self) -> float:
@@ -654,10 +655,14 @@ def plan(model="qwen3-vl-8b", row: Row | int = 131072, gpu: str | Hardware = "h1
             weights, grads, optimizer = static_memory(dims, t, size * t.dp)
             memory = activation_memory(dims, row, t, c, size, ulysses)
             memory.weights, memory.gradients, memory.optimizer = weights, grads, optimizer
+            flipped = replace(t, gradient_checkpointing=not t.gradient_checkpointing)
+            other = activation_memory(dims, row, flipped, c, size, ulysses)
+            other.weights, other.gradients, other.optimizer = weights, grads, optimizer
             time = step_time(dims, row, t, hw, size, ulysses, gpus_per_node)
             rows.append(PlanRow(size=size, ulysses=ulysses, ring=ring, nodes=-(-size // gpus_per_node),
                                 tokens_per_rank=row.tokens // size, memory=memory, time=time,
-                                fits=memory.total <= hw.usable * hw.memory_gib * GIB, chosen=ulysses == chosen))
+                                fits=memory.total <= hw.usable * hw.memory_gib * GIB, chosen=ulysses == chosen,
+                                other_checkpointing_gib=other.total / GIB))
     mark(rows)
     return rows
 
@@ -715,7 +720,8 @@ def format_table(rows: list[PlanRow], dims: ModelDims, row: Row, hw: Hardware, t
     lines = [f"{dims.name}: {row.tokens:,} tokens ({row.vision_tokens:,} vision tokens, "
              f"{row.patches(dims):,} patches), longest sample {row.longest_sample:,}; {hw.name}, "
              f"{hw.memory_gib:g} GiB, nodes of {gpus_per_node}",
-             f"{'P':>4} {'UxR':>6} {'nodes':>5} {'peak GiB':>8} {'fits':>4} {'w+g+opt':>7} {'act':>6} {'work':>6} "
+             f"{'P':>4} {'UxR':>6} {'nodes':>5} {'peak GiB':>8} {'fits':>4} "
+             f"{'GC off' if t.gradient_checkpointing else 'GC on':>7} {'w+g+opt':>7} {'act':>6} {'work':>6} "
              f"{'head':>5} {'exch':>5} {'step s':>8} {'compute':>8} {'a2a':>6} {'ring':>6} {'ring ov':>7} "
              f"{'dn st':>6} {'zero3':>6} {'tok/s/GPU':>9}  mark"]
     for r in rows:
@@ -723,7 +729,8 @@ def format_table(rows: list[PlanRow], dims: ModelDims, row: Row, hw: Hardware, t
         g = lambda x: f"{x / GIB:.1f}"  # noqa: E731
         mark_text = ("* " if r.smallest else "") + ("> " if r.fastest else "") + r.why
         lines.append(f"{r.size:>4} {f'{r.ulysses}x{r.ring}':>6} {r.nodes:>5} {r.peak_gib:>8.1f} "
-                     f"{'yes' if r.fits else 'no':>4} {g(m.weights + m.gradients + m.optimizer):>7} "
+                     f"{'yes' if r.fits else 'no':>4} {r.other_checkpointing_gib:>7.1f} "
+                     f"{g(m.weights + m.gradients + m.optimizer):>7} "
                      f"{g(m.activations):>6} {g(m.working):>6} {g(m.head):>5} {g(m.exchange):>5} "
                      f"{tm.total:>8.2f} {tm.compute:>8.2f} {tm.all_to_all:>6.2f} {tm.ring:>6.2f} "
                      f"{tm.ring_overlapped:>7.2f} {tm.deltanet_state:>6.3f} {tm.sharding:>6.2f} "
@@ -734,7 +741,9 @@ def format_table(rows: list[PlanRow], dims: ModelDims, row: Row, hw: Hardware, t
 
 def assumptions(dims: ModelDims, hw: Hardware, t: Training) -> list[str]:
     return [
-        "marks: * smallest P that fits (the package's layout); > fastest per GPU among those that fit",
+        "marks: * smallest P that fits (the package's layout); > fastest per GPU among those that fit; "
+        f"'{'GC off' if t.gradient_checkpointing else 'GC on'}': the peak with checkpointing switched "
+        f"{'off' if t.gradient_checkpointing else 'on'}; memory parts in GiB, times in s",
         f"assumptions: {dims.params() / 1e9:.2f}B parameters; bf16 weights and gradients, fp32 Adam "
         f"({'offloaded' if t.offload_optimizer else 'on the GPU'}), sharding {t.sharding} over P x {t.dp} ranks; "
         f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}; usable memory "
