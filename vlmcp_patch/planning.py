@@ -476,21 +476,29 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     if t.tiled_mlp:  # ALST's tiled MLP: the MLP's 4 I per token are recomputed in tiles, not kept
         att, dn = att - 4 * d.intermediate, (dn - 4 * d.intermediate if dn else 0.0)
     features = vision_local * d.hidden * (1 + d.deepstack)  # merged + deepstack features routed to this rank
-    # DeltaNet across a ring: the (M, B) pass of each chunk runs the delta rule a second time and keeps its
-    # intermediates for backward (one more set of the rule's per-token elements)
-    ring_rule = deltanet_rule_elements(d, ulysses) if (ring > 1 and d.linear_layers) else 0.0
+    # DeltaNet across a ring (models/deltanet_ring.py): a chunk continuing a sample runs the delta rule twice more
+    # for its transfer (B from a zero state, M from the identity), and autograd keeps both runs' intermediates
+    ring_rule = 2 * deltanet_rule_elements(d, ulysses) if (ring > 1 and d.linear_layers) else 0.0
     dn += ring_rule
+    attention_x, deltanet_x = exchange_elements(d, t, local, ulysses, ring)
     m = Memory()
     if not t.gradient_checkpointing:
         m.activations = b * local * (d.full_layers * c.attention * att + d.linear_layers * c.deltanet * dn)
         m.activations += b * (patches * d.vision_depth * c.vision * vis + features)
+        m.exchange = b * max(attention_x, deltanet_x)  # transient, one layer's at a time
     else:
         kept = 0 if t.offload_checkpoints else b * local * d.hidden * d.layers
         m.activations = kept + b * (patches * d.vision_width * d.vision_depth + features)
-        layer = max(c.attention_work * att if d.full_layers else 0.0, c.deltanet_work * dn)
-        block = c.vision_work * vis * patches if d.vision_depth else 0.0
-        # the recomputed layer's activations, plus the gradient flowing through it (2 hidden states)
-        m.working = b * max(local * (layer + 2 * d.hidden), block + 2 * patches * d.vision_width)
+        # one layer is recomputed at a time: its activations, the gradient flowing through it (2 hidden states)
+        # and its own exchange buffers — the largest of the layer kinds and the vision block
+        gradient = 2 * d.hidden
+        kinds = [(local * (c.attention_work * att + gradient), attention_x)] if d.full_layers else []
+        if d.linear_layers:
+            kinds.append((local * (c.deltanet_work * dn + gradient), deltanet_x))
+        if d.vision_depth:
+            kinds.append((patches * (c.vision_work * vis + 2 * d.vision_width), 0.0))
+        working, exchange = max(kinds, key=sum)
+        m.working, m.exchange = b * working, b * exchange
     # the fused head: one chunk of fp32 logits (turned into their gradient in place), its bf16 copy for the
     # gradient matmuls, the slice's hidden-state gradient in fp32; a stock head keeps the slice's fp32 logits,
     # their softmax and gradient (3 x)
@@ -500,19 +508,31 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
         chunk = head_chunk_tokens(local, d.hidden, d.vocab)
         copy = b if b < 4 else 0  # the cast back to the head's dtype is a no-op in fp32
         m.head = (4 + copy) * chunk * d.vocab + 4.0 * local * d.hidden
-    hd, kv = d.heads * d.head_dim, replicated(d.kv_heads, d.heads, ulysses) * d.head_dim
-    exchange = 2 * local * (hd + 2 * kv) if ulysses > 1 else 0  # send and receive buffers of q, k, v
-    if ring > 1:  # K/V of the block in flight and the next (2 x 2 H_kv' D per token of the subgroup's share / U)
-        exchange += 4 * local * kv
-        if t.attention == "sdpa":  # tiled fp32 math: a tile's scores, masked scores and probabilities alive at once
-            tile = min(512, local * ulysses)
-            exchange += (4 / b) * 3 * tile * tile * (d.heads // ulysses)
-        if d.linear_layers:  # every chunk's (M, B): 2R chunks x H_v / U heads x d_k x (d_k + d_v), fp32
-            exchange += (4 / b) * 2 * ring * (d.linear_v_heads / ulysses) * d.linear_k_dim * (
-                d.linear_k_dim + d.linear_v_dim)
-    m.exchange = b * exchange
     m.batch = 32.0 * row.tokens  # ids, labels, positions, token types: int64, whole row
     return m
+
+
+def exchange_elements(d: ModelDims, t: Training, local: int, ulysses: int, ring: int) -> tuple[float, float]:
+    """(softmax layer, DeltaNet layer) exchange buffers of a rank, in elements of the activations' dtype: the
+    all-to-all's send and receive buffers (q, k, v; DeltaNet's q, k, v and gates), across a ring the K/V in flight
+    and the next, under sdpa the ring's fp32 tiles (scores, masked scores and probabilities alive at once), and the
+    DeltaNet (M, B) of every chunk (2R chunks x H_v / U heads x d_k x (d_k + d_v), fp32)."""
+    b = t.bytes_per_value
+    hd, kv = d.heads * d.head_dim, replicated(d.kv_heads, d.heads, ulysses) * d.head_dim
+    attention = 2 * local * (hd + 2 * kv) if ulysses > 1 else 0.0
+    deltanet = 0.0
+    if d.linear_layers and ulysses > 1:
+        k_rep = replicated(d.linear_k_heads, d.linear_v_heads, ulysses) * d.linear_k_dim
+        deltanet = 2 * local * (2 * k_rep + d.linear_v_heads * d.linear_v_dim + 2 * d.linear_v_heads)
+    if ring > 1:
+        attention += 4 * local * kv
+        if t.attention == "sdpa":
+            tile = min(512, local * ulysses)
+            attention += (4 / b) * 3 * tile * tile * (d.heads // ulysses)
+        if d.linear_layers:
+            deltanet += (4 / b) * 2 * ring * (d.linear_v_heads / ulysses) * d.linear_k_dim * (
+                d.linear_k_dim + d.linear_v_dim)
+    return attention, deltanet
 
 
 # ------------------------------------------------------------------------------------------------------------
