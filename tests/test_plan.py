@@ -105,3 +105,29 @@ def test_python_m_vlmcp_patch_keeps_its_flags(capsys):
     assert "tiny-qwen3.5" in capsys.readouterr().out
     assert main(["--no-self-test", "--model", "tiny-qwen3-vl"]) == 0
     assert "Ulysses x ring by CP size" in capsys.readouterr().out
+
+
+def test_the_constants_are_the_p1_fit_of_the_kept_measurements_and_predict_the_rest():
+    """Deterministic, no measuring: the measurements docs/plan.md reports are kept in benchmarks/data; the package's
+    constants are their P = 1 fit, and the Ulysses-only predictions (P = 2, 4, 8) stay within 10 %."""
+    from benchmarks.plan_check import MEMORY_CACHE, fit, memory_check
+
+    points = json.loads((ROOT / MEMORY_CACHE).read_text())
+    cache: dict = {}
+    fitted = fit(points, cache)
+    for name, value in planning.CALIBRATED.__dict__.items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=5e-3), name
+    rows = memory_check(points, planning.CALIBRATED, cache)
+    assert {r[3] for r in rows} == {1, 2, 4, 6, 8} and len(rows) == 40
+    assert max(abs(r[6]) for r in rows if r[3] in (2, 4, 8)) <= 0.10
+
+
+def test_gpu_check_prints_rates_in_the_units_plan_takes(capsys):
+    """benchmarks.gpu_check's last section, on the CPU dry run: its flags are accepted by `plan` as they are."""
+    from benchmarks import gpu_check
+
+    gpu_check.plan_rates(gpu_check.Setup(dry_run=True))
+    flags = re.search(r"plan flags: (.*)", capsys.readouterr().out)[1].split()
+    assert flags[0] == "--matmul-tflops" and float(flags[1]) > 0 and float(flags[3]) > 0
+    assert planning.main(["--model", "qwen3-4b", "--tokens", "65536", "--sizes", "4", *flags]) == 0
+    assert f"matmul {float(flags[1]):g}" in capsys.readouterr().out
