@@ -581,6 +581,16 @@ def ring_tile_seconds(d: ModelDims, hw: Hardware, local: float, ulysses: int, ri
     return elements * passes / (hw.tile_gelems * 1e9)
 
 
+def all_to_all_seconds(hw: Hardware, volume: float, ulysses: int, gpus_per_node: int) -> float:
+    """Seconds for a rank to exchange `volume` bytes with the U - 1 others of its Ulysses subgroup (consecutive
+    ranks): the (n - 1) / U that stays in its node over NVLink and the (U - n) / U that leaves it over InfiniBand,
+    at the same time (n: the subgroup's ranks per node)."""
+    inside = min(ulysses, gpus_per_node)
+    nvlink = volume * (inside - 1) / ulysses / (hw.nvlink_gbs * 1e9)
+    infiniband = volume * (ulysses - inside) / ulysses / (hw.ib_gbs * 1e9)
+    return max(nvlink, infiniband)
+
+
 def link_gbs(hw: Hardware, span: int, gpus_per_node: int) -> float:
     """Bandwidth of a collective among `span` consecutive ranks: NVLink within a node, InfiniBand across."""
     return hw.nvlink_gbs if span <= gpus_per_node else hw.ib_gbs
@@ -589,7 +599,8 @@ def link_gbs(hw: Hardware, span: int, gpus_per_node: int) -> float:
 def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulysses: int, gpus_per_node: int,
               compute_s: float | None = None) -> Time:
     """Seconds of one step on the busiest rank. Compute: the row's FLOPs / P at the attained rates. All-to-all:
-    the package's volumes (docs/exchanges.md), the share leaving the rank, over the Ulysses group's link. Ring:
+    the package's volumes (docs/exchanges.md), the share leaving the rank, over NVLink inside the node and InfiniBand
+    across (`all_to_all_seconds`). Ring:
     (6 (R-1) + 2) H_kv' D per token of the rank, in R-1 sequential steps, over the ring's link (ring members sit U
     ranks apart: inside a node when P <= node). DeltaNet across a ring: two all-gathers per layer and pass of a
     fixed size. With checkpointing the forward exchanges run twice."""
@@ -612,10 +623,9 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
             k_rep = replicated(d.linear_k_heads, d.linear_v_heads, ulysses) * d.linear_k_dim
             v = d.linear_v_heads * d.linear_v_dim
             per_token += d.linear_layers * (2 * k_rep + 2 * v + 2 * d.linear_v_heads)
-        leaving = (ulysses - 1) / ulysses
-        volume = b * local * per_token * leaving * (forward_passes + 1)
+        volume = b * local * per_token * (forward_passes + 1)  # bytes of a rank's slice through the exchanges
         calls = 4 * d.layers * (forward_passes + 1)
-        out.all_to_all = volume / (link_gbs(hw, ulysses, gpus_per_node) * 1e9) + calls * hw.latency_s
+        out.all_to_all = all_to_all_seconds(hw, volume, ulysses, gpus_per_node) + calls * hw.latency_s
     if ring > 1:
         kv = replicated(d.kv_heads, d.heads, ulysses) * d.head_dim
         forward = 2 * (ring - 1) * local * kv * forward_passes
