@@ -394,6 +394,9 @@ class Memory:
 
     @property
     def total(self) -> float:
+        """The peak: what lives through the step, plus the larger of two transients that are never alive together —
+        one layer's working set with its exchange buffers (during that layer) and the head's chunk (at the end of
+        the forward, where the fused head also makes its gradient)."""
         return (self.weights + self.gradients + self.optimizer + self.activations + self.batch
                 + max(self.working + self.exchange, self.head))
 
