@@ -131,3 +131,27 @@ def test_gpu_check_prints_rates_in_the_units_plan_takes(capsys):
     assert flags[0] == "--matmul-tflops" and float(flags[1]) > 0 and float(flags[3]) > 0
     assert planning.main(["--model", "qwen3-4b", "--tokens", "65536", "--sizes", "4", *flags]) == 0
     assert f"matmul {float(flags[1]):g}" in capsys.readouterr().out
+
+
+def test_the_layout_rule_is_the_packages_own_with_the_node_size_where_it_takes_one(monkeypatch):
+    """`package_ulysses` calls `layout.ulysses_degree`; a node-aware rule (one taking `node_size`) gets the node."""
+    from vlmcp_patch import layout
+
+    dims = MODELS["qwen3.5-27b"]
+    assert planning.package_ulysses(dims, 24, 8) == layout.ulysses_degree(24, dims.head_counts())
+    seen = {}
+
+    def node_aware(size, divisible, node_size=None, override=None):
+        seen["node_size"] = node_size
+        return max(u for u in range(1, size + 1) if size % u == 0 and node_size % u == 0
+                   and all(n % u == 0 for n in divisible))
+
+    monkeypatch.setattr(layout, "ulysses_degree", node_aware)
+    assert planning.package_ulysses(dims, 24, 8) == 8 and seen["node_size"] == 8
+
+
+def test_an_overlapped_ring_counts_only_what_stays_exposed():
+    base = dict(model="qwen3-vl-8b", row=Row.video(262144), sizes=[48], all_layouts=False)  # 32 heads: 16 x 3
+    plain, overlapped = (plan(**base, training=Training(ring_overlap=flag))[0] for flag in (False, True))
+    assert plain.ring == 3 and plain.time.ring > plain.time.ring_overlapped
+    assert overlapped.time.total == pytest.approx(plain.time.total - plain.time.ring + plain.time.ring_overlapped)

@@ -271,6 +271,9 @@ class Training:
     stock_head: bool = False
     freeze_vision: bool = False
     attention: str = "flash_attention_2"  # or "sdpa": the ring's blocks then run tiled fp32 torch math
+    # this branch's ring completes each pass before computing its block; a release that overlaps them (issue 38)
+    # leaves only `Time.ring_overlapped` exposed: set True there
+    ring_overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -304,10 +307,16 @@ def layouts(dims: ModelDims, size: int) -> list[tuple[int, int]]:
     return [(u, size // u) for u in range(size, 0, -1) if size % u == 0 and all(h % u == 0 for h in heads)]
 
 
-def package_ulysses(dims: ModelDims, size: int) -> int:
-    """The U the package chooses at P = `size` (its own rule, `vlmcp_patch.layout.ulysses_degree`)."""
+def package_ulysses(dims: ModelDims, size: int, gpus_per_node: int | None = None) -> int:
+    """The U the package chooses at P = `size` (its own rule, `vlmcp_patch.layout.ulysses_degree`). Where that rule
+    is node-aware (it takes `node_size`: subgroups kept inside a node), the node size is passed on; in a release
+    whose rule does not take it, the rule is the largest U the heads allow."""
+    import inspect
+
     from .layout import ulysses_degree  # torch at call time only
 
+    if gpus_per_node and "node_size" in inspect.signature(ulysses_degree).parameters:
+        return ulysses_degree(size, dims.head_counts(), node_size=gpus_per_node)
     return ulysses_degree(size, dims.head_counts())
 
 
@@ -412,9 +421,12 @@ class Time:
     deltanet_state: float = 0.0
     sharding: float = 0.0  # ZeRO-3 / FSDP gathers and reduce-scatters left exposed after overlap with compute
 
+    overlap: bool = False  # the ring's passes overlap its blocks' compute (Training.ring_overlap)
+
     @property
     def total(self) -> float:
-        return self.compute + self.all_to_all + self.ring + self.deltanet_state + self.sharding
+        ring = self.ring_overlapped if self.overlap else self.ring
+        return self.compute + self.all_to_all + ring + self.deltanet_state + self.sharding
 
 
 @dataclass
@@ -613,7 +625,7 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
     if compute_s is None:
         compute_s = (flops["matmul"] / hw.matmul_tflops + flops["deltanet"] / hw.deltanet_tflops) / 1e12 / size
         compute_s += attention_s
-    out = Time(compute=compute_s)
+    out = Time(compute=compute_s, overlap=t.ring_overlap)
     local = row.tokens / size
     if ring > 1 and t.attention == "sdpa" and hw.tile_gelems:
         passes = 2 if t.gradient_checkpointing else 1
@@ -681,7 +693,7 @@ def plan(model="qwen3-vl-8b", row: Row | int = 131072, gpu: str | Hardware = "h1
     c = constants or CALIBRATED
     rows: list[PlanRow] = []
     for size in sizes or candidate_sizes(gpus_per_node, max_gpus):
-        chosen = package_ulysses(dims, size)
+        chosen = package_ulysses(dims, size, gpus_per_node)
         for ulysses, ring in layouts(dims, size):
             if not all_layouts and ulysses != chosen:
                 continue
@@ -729,7 +741,8 @@ def _why(r: PlanRow, smallest: PlanRow | None, fastest: PlanRow | None) -> str:
     elif fastest is not None:
         loss = 1 - r.tokens_per_s_per_gpu / fastest.tokens_per_s_per_gpu
         tm = r.time
-        parts = {"all-to-all": tm.all_to_all, "ring": tm.ring, "DeltaNet state": tm.deltanet_state,
+        parts = {"all-to-all": tm.all_to_all, "ring": tm.ring_overlapped if tm.overlap else tm.ring,
+                 "DeltaNet state": tm.deltanet_state,
                  "ZeRO-3 gathers": tm.sharding}
         worst = max(parts, key=parts.get)
         if loss < 0.005:
@@ -785,7 +798,8 @@ def assumptions(dims: ModelDims, hw: Hardware, t: Training) -> list[str]:
         f"{hw.deltanet_tflops:g} TFLOP/s; links NVLink {hw.nvlink_gbs:g} GB/s, IB {hw.ib_gbs:g} GB/s per GPU, "
         f"{hw.latency_s * 1e6:g} us per collective step",
         "  activation constants fitted on CPU at P=1 and checked at P=2..8 (docs/plan.md); vision work split evenly; "
-        "ring passes not overlapped with compute in this release ('ring ov': what overlap would leave)",
+        + ("ring passes overlapped with compute (the step counts 'ring ov')" if t.ring_overlap else
+           "ring passes not overlapped with compute in this release ('ring ov': what overlap would leave)"),
     ]
 
 
@@ -858,6 +872,8 @@ def main(argv=None) -> int:
     tr.add_argument("--no-gradient-checkpointing", action="store_true")
     tr.add_argument("--offload-optimizer", action="store_true")
     tr.add_argument("--freeze-vision", action="store_true")
+    tr.add_argument("--ring-overlap", action="store_true",
+                    help="the ring's passes overlap its blocks' compute (a release with issue 38's ring)")
     tr.add_argument("--chosen-only", action="store_true", help="only the package's layout at each P")
     tr.add_argument("--sizing-table", action="store_true", help="print docs/plan.md's table and stop")
     a = p.parse_args(argv)
@@ -876,7 +892,8 @@ def main(argv=None) -> int:
     else:
         p.error("give the row: --tokens, --video-tokens, or --text / --image / --video")
     training = Training(sharding=a.sharding, gradient_checkpointing=not a.no_gradient_checkpointing, dp=a.dp,
-                        offload_optimizer=a.offload_optimizer, freeze_vision=a.freeze_vision)
+                        offload_optimizer=a.offload_optimizer, freeze_vision=a.freeze_vision,
+                        ring_overlap=a.ring_overlap)
     rates = {k: getattr(a, k) for k in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs",
                                          "ib_gbs")}
     rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None
