@@ -721,11 +721,12 @@ def mark(rows: list[PlanRow]) -> None:
         smallest.smallest = True
     if fastest:
         fastest.fastest = True
+    picked = {r.size: r.ulysses for r in rows if r.chosen}
     for r in rows:
-        r.why = _why(r, smallest, fastest)
+        r.why = _why(r, smallest, fastest, picked.get(r.size))
 
 
-def _why(r: PlanRow, smallest: PlanRow | None, fastest: PlanRow | None) -> str:
+def _why(r: PlanRow, smallest: PlanRow | None, fastest: PlanRow | None, picked: int | None = None) -> str:
     """Why a row wins or loses: what overflows memory, or how much slower per GPU than the fastest and which
     exchange costs it that, and whether the package would pick this layout at this P."""
     if not r.fits:
@@ -752,7 +753,8 @@ def _why(r: PlanRow, smallest: PlanRow | None, fastest: PlanRow | None) -> str:
         else:
             notes.append(f"{loss:.0%} slower per GPU")
     if not r.chosen:
-        notes.append("not the package's layout at this P (it takes the largest U)")
+        notes.append(f"not the package's layout at this P (it takes U={picked})" if picked else
+                     "not the package's layout at this P")
     return "; ".join(notes)
 
 
