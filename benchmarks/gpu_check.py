@@ -12,7 +12,9 @@ Sections (each prints its numbers; record them in docs/testing.md ("GPU check") 
 3. the gated DeltaNet head split against the stock layer run on each sample alone (at P = the number of
    GPUs; at P=1 the same code with the kernels' packed-sequence arguments);
 4. the per-rank workload: peak memory and tokens/s of forward + backward against the sequence length;
-5. with several GPUs: CP parity of loss and gradients against P=1 on a multimodal packed row.
+5. with several GPUs: CP parity of loss and gradients against P=1 on a multimodal packed row;
+6. the attained rates in the units `python -m vlmcp_patch plan` takes (matmul and attention TFLOP/s, the
+   all-to-all's bus bandwidth in GB/s): printed as the flags to pass it, so one run calibrates the plan.
 """
 
 from __future__ import annotations
@@ -165,6 +167,71 @@ def cp_parity(setup: Setup) -> None:
         setup.say(f"  {family:9s} loss rel. error {loss_error:.2e}, worst gradient rel. error {worst:.2e} ({name})")
 
 
+def _seconds(setup: Setup, fn, repeats: int) -> float:
+    """Seconds per call of `fn` after one warm-up (synchronised on a GPU)."""
+    fn()
+    if setup.device.type == "cuda":
+        torch.cuda.synchronize(setup.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if setup.device.type == "cuda":
+        torch.cuda.synchronize(setup.device)
+    return (time.perf_counter() - start) / repeats
+
+
+def matmul_tflops(setup: Setup) -> float:
+    """Attained TFLOP/s of a projection-sized matmul (tokens x hidden @ hidden x 4 hidden), the model's dtype."""
+    n, h = (256, 128) if setup.dry_run else (8192, 4096)
+    x = torch.randn(n, h, device=setup.device, dtype=setup.dtype)
+    w = torch.randn(4 * h, h, device=setup.device, dtype=setup.dtype)
+    return 2 * n * h * 4 * h / _seconds(setup, lambda: x @ w.T, 3 if setup.dry_run else 20) / 1e12
+
+
+def attention_tflops(setup: Setup) -> float:
+    """Attained TFLOP/s of causal attention forward + backward, counted as the plan counts it (forward
+    2 s^2 H D, backward 2.5 x): flash-attn's kernel when installed, else sdpa."""
+    s, h, d = (256, 4, 32) if setup.dry_run else (16384, 32, 128)
+    q, k, v = (torch.randn(1, s, h, d, device=setup.device, dtype=setup.dtype, requires_grad=True) for _ in range(3))
+    try:
+        from flash_attn import flash_attn_func
+
+        attend = lambda: flash_attn_func(q, k, v, causal=True)  # noqa: E731
+    except ImportError:
+        import torch.nn.functional as F
+
+        attend = lambda: F.scaled_dot_product_attention(  # noqa: E731
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+
+    def step():
+        attend().sum().backward()
+
+    return 3.5 * 2 * s * s * h * d / _seconds(setup, step, 2 if setup.dry_run else 10) / 1e12
+
+
+def all_to_all_gbs(setup: Setup) -> float | None:
+    """Bus bandwidth of an all-to-all among all ranks (GB/s per rank: bytes leaving a rank / time), or None alone."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    world = dist.get_world_size()
+    data = torch.randn((1 << 16) if setup.dry_run else (1 << 27), device=setup.device, dtype=setup.dtype)
+    out = torch.empty_like(data)
+    seconds = _seconds(setup, lambda: dist.all_to_all_single(out, data), 3 if setup.dry_run else 10)
+    return data.numel() * data.element_size() * (world - 1) / world / seconds / 1e9
+
+
+def plan_rates(setup: Setup) -> None:
+    setup.say("== 6. attained rates for `python -m vlmcp_patch plan`")
+    matmul, attention = matmul_tflops(setup), attention_tflops(setup)
+    link = all_to_all_gbs(setup)
+    setup.say(f"  matmul {matmul:.4g} TFLOP/s, attention {attention:.4g} TFLOP/s"
+              + (f", all-to-all {link:.4g} GB/s per rank" if link is not None else ", one rank: no link measured"))
+    flags = f"--matmul-tflops {matmul:.4g} --attention-tflops {attention:.4g}"
+    if link is not None:  # within one node: NVLink; a launch across nodes measures the slower link
+        flags += f" --nvlink-gbs {link:.4g}"
+    setup.say(f"  plan flags: {flags}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, fp32, torch paths, tiny sizes")
@@ -181,6 +248,7 @@ def main() -> None:
     workload(setup, args.workload_budget)
     if dist.is_initialized() and dist.get_world_size() > 1:
         cp_parity(setup)
+    plan_rates(setup)
     setup.say("gpu_check: done")
     if dist.is_initialized():
         dist.barrier()

@@ -18,6 +18,10 @@ def test_gpu_check_dry_run_on_cpu_with_two_ranks():
     errors = [float(x) for x in re.findall(r"rel\. error ([\d.e+-]+)", out.stdout)]
     assert len(errors) >= 5 and max(errors) <= 1e-5, out.stdout
     assert "== 5. CP parity at P=2" in out.stdout and "gpu_check: done" in out.stdout
+    number = r"([\d.e+-]+)"
+    flags = re.search(rf"plan flags: --matmul-tflops {number} --attention-tflops {number} --nvlink-gbs {number}",
+                      out.stdout)
+    assert flags and all(float(v) > 0 for v in flags.groups()), out.stdout  # the units `plan` takes
 
 
 def test_padding_free_rows_leave_no_padding_per_rank():

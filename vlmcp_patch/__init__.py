@@ -35,6 +35,7 @@ from .integrations import vision_placeholder as _vision_placeholder  # noqa: E40
 from .integrations.placement import batch_to_device  # noqa: E402
 from .integrations.setup import check_cp_setup  # noqa: E402
 from .logprobs import token_log_probs  # noqa: E402
+from .planning import Row, Training, plan  # noqa: E402  (pure arithmetic: the cost model)
 from .patching import PATCHES, cp_size  # noqa: E402
 from .settings import SETTINGS, enable, env_flag  # noqa: E402
 from .supported import supported_class_names  # noqa: E402
@@ -109,6 +110,9 @@ __all__ = [
     "disabled",
     "enable",
     "gather_sequence",
+    "plan",
+    "Row",
+    "Training",
     "get_cp_group",
     "revert",
     "status",

@@ -1,5 +1,8 @@
 """`python -m vlmcp_patch [--no-self-test] [--model NAME_OR_PATH [--node-size N]]`: versions, patches, the CP layout of
-this launch (with a model: its U x R layout by CP size, on nodes of N ranks), kernels, self-test."""
+this launch (with a model: its U x R layout by CP size, on nodes of N ranks), kernels, self-test.
+
+`python -m vlmcp_patch plan --model NAME --tokens N ...`: the cost model's table (`vlmcp_patch.planning`): per CP
+size and layout, the predicted per-rank peak memory and step time, before any GPU is booked."""
 
 from __future__ import annotations
 
@@ -11,6 +14,11 @@ from .report import report
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # a subcommand; the report's own flags stay as they were
+        from .planning import main as plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m vlmcp_patch", description=__doc__)
     parser.add_argument("--no-self-test", action="store_true", help="skip the ten-second self-test")
     parser.add_argument("--model", help="a checkpoint name or folder (its config only), or tiny-qwen3-vl / "
