@@ -460,7 +460,7 @@ def exchange_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int
     return ordered(_ExchangeRows, x, send_counts, recv_counts, group)
 
 
-def _timeout_of(group):
+def group_timeout(group):
     """The timeout the group was created with (None where the backend does not say)."""
     for device in ("cpu", "cuda"):
         try:
@@ -510,7 +510,7 @@ def start_pass(tensors: list[torch.Tensor], group, next_rank: int, prev_rank: in
     ops = [dist.P2POp(dist.isend, t, next_rank, group=group, tag=tag) for t in sent]
     ops += [dist.P2POp(dist.irecv, r, prev_rank, group=group, tag=tag) for r in received]
     requests = _communicate("ring pass", group, sum(t.numel() for t in tensors), lambda: dist.batch_isend_irecv(ops))
-    pending = PendingPass(received, requests, sent, group, _timeout_of(group))
+    pending = PendingPass(received, requests, sent, group, group_timeout(group))
     if not OVERLAP:
         pending.wait()
     return pending

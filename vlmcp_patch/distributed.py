@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .collectives import gather_keep_local_grad
+from .collectives import gather_keep_local_grad, group_timeout
 from .errors import UnsupportedSetupError
 from .flags import BYPASS, scoped
 from .layout import ulysses_degree
@@ -67,13 +67,9 @@ def _timeout_of_default_group():
     ddp_timeout): new_group does not inherit it, it would fall back to the backend's default (30 min)."""
     if SETTINGS.timeout:  # VLMCP_TIMEOUT
         return datetime.timedelta(seconds=SETTINGS.timeout)
-    try:
-        from torch.distributed import distributed_c10d as c10d
+    from torch.distributed import distributed_c10d as c10d
 
-        device = torch.device("cuda" if "nccl" in dist.get_backend() else "cpu")
-        return c10d._get_default_group()._get_backend(device).options._timeout
-    except Exception:  # noqa: BLE001 - a private API: without it the backend default applies
-        return None
+    return group_timeout(c10d._get_default_group())  # None: the backend default applies
 
 
 def _release_groups() -> None:

@@ -130,8 +130,7 @@ def _patch_tables(tower, grid: torch.Tensor, rows: slice) -> dict:
 def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionShare, cp: CPGroup,
                         kwargs: dict) -> tuple[object, torch.Tensor]:
     """(tower output, joined features of the merged tokens `share.held_by_ranks()` gives this rank) of one contiguous
-    slice
-    of all items' patches, the tower's attention exchanging sequence for heads within each image's segments
+    slice of all items' patches, the tower's attention exchanging sequence for heads within each image's segments
     (module docstring)."""
     unit = tower.spatial_merge_size**2
     frames = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]).tolist()
