@@ -107,7 +107,7 @@ def main() -> None:
             steps = [max(rank_runs[i]["step"] for rank_runs in runs) for i in range(len(runs[0]))]
             inside = statistics.mean(statistics.median(run["inside"] / run["step"] for run in r) for r in runs)
             print(f"{size:>2} {length:>7} {forward / 1024:>9.1f} {formula['forward'] / 1024:>9.1f} "
-                  f"{backward / 1024:>9.1f} {formula['backward'] / 1024:>9.1f} {statistics.median(steps):>8.3f} "
+                  f"{backward / 1024:>9.1f} {formula['backward'] / 1024:>9.1f} {statistics.median(steps):>8.4f} "
                   f"{inside:>21.1%}")
     print("deltanet_state: done")
 

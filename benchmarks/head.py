@@ -63,7 +63,7 @@ def main(argv=None) -> None:
             ratio = least_cpu_time(lambda: fused(chunk), args.repeats) / base
             cells.append(f"{count} chunks {ratio:.3f} ({chunk * args.vocab / (tokens * args.hidden):.1f}x)")
         rule = chunk_tokens(tokens, args.hidden, args.vocab)
-        print(f"{tokens:>6} tokens: stock {base:.2f} s | " + " | ".join(cells)
+        print(f"{tokens:>6} tokens: stock {base:.4f} s | " + " | ".join(cells)
               + f" | the rule: {math.ceil(tokens / rule)} chunks of {rule}", flush=True)
 
 

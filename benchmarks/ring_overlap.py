@@ -118,8 +118,8 @@ def main() -> None:
         for length in args.lengths:
             r = summarize(per_rank, length)
             old, new = r["old"], r["new"]
-            print(f"{layout:>6} {length:>7} {old['step']:>8.3f} {new['step']:>8.3f} {new['step'] / old['step']:>8.2f} "
-                  f"{old['wait']:>9.3f} {new['wait']:>9.3f} {r['hidden']:>7.0%} {new['busiest']:>13.2f} "
+            print(f"{layout:>6} {length:>7} {old['step']:>8.4f} {new['step']:>8.4f} {new['step'] / old['step']:>8.2f} "
+                  f"{old['wait']:>9.6f} {new['wait']:>9.6f} {r['hidden']:>7.0%} {new['busiest']:>13.2f} "
                   f"{work_balance(length, ulysses, ring_size, args.samples):>9.3f}")
     print("ring_overlap: done")
 

@@ -179,10 +179,10 @@ def print_report(rows: list[dict], sizes: list[int]) -> None:
                  f" {f'tok/s{size}':>8}")
     print(head)
     for r in rows:
-        line = (f"{r['model']:9s} {r['sample']:12s} {r['tokens']:>6d} {r['stock_s']:>8.2f} {r['p1_s']:>7.2f} "
+        line = (f"{r['model']:9s} {r['sample']:12s} {r['tokens']:>6d} {r['stock_s']:>8.4f} {r['p1_s']:>7.4f} "
                 f"{r['p1_over_stock']:>8.3f}")
         for size in sizes:
-            line += (f" {r[f'cp{size}_s']:>7.2f} {r[f'cp{size}_efficiency']:>6.3f} {r[f'cp{size}_machine']:>6.3f}"
+            line += (f" {r[f'cp{size}_s']:>7.4f} {r[f'cp{size}_efficiency']:>6.3f} {r[f'cp{size}_machine']:>6.3f}"
                      f" {r[f'cp{size}_collectives']:>6.1%}"
                      f" {r[f'cp{size}_agreement']:>6.2%} {r[f'cp{size}_tokens_per_s']:>8.1f}")
         print(line)
