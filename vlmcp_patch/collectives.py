@@ -120,11 +120,11 @@ class CollectiveLog:
         digest = zlib.crc32("\n".join(pending).encode())
         mine = torch.tensor([len(pending), digest], dtype=torch.int64)
         everyone = torch.empty(size * 2, dtype=torch.int64)
-        _all_gather_raw(everyone, mine, group)
+        _raising("debug check's all-gather", group, lambda: _all_gather_raw(everyone, mine, group))
         if len(set(map(tuple, everyone.view(size, 2).tolist()))) == 1:
             return
         sequences = [None] * size
-        dist.all_gather_object(sequences, pending, group=group)
+        _raising("debug check's all-gather", group, lambda: dist.all_gather_object(sequences, pending, group=group))
         raise CollectiveError(_first_difference(sequences, when))
 
 
