@@ -331,7 +331,8 @@ def longest_table(args) -> None:
         print(f"{size:>3} {tokens:>8} {peak / MIB:>9.1f} {ratio:>13.2f} {ratio / size:>6.2f}")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (`benchmarks.plan_measure` builds its runs' options from them too)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-vl", choices=list(MODELS))
     parser.add_argument("--sample", default="image-heavy", choices=list(PATTERNS))
@@ -352,7 +353,11 @@ def main() -> None:
                         help="host: the integrations' loop, pixel values on the host under CP; device: the whole "
                         "batch moved to the device by the caller (module docstring)")
     parser.add_argument("--dry-run", action="store_true", help="the tiny test models on short rows")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.dry_run:
         args.tokens, args.layers, args.start = min(args.tokens, 150), 2, 64
     if args.longest:

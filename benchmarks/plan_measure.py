@@ -14,16 +14,17 @@ import json
 import os
 import time
 
-from benchmarks.memory import measure
+from benchmarks import memory
 from tests.helpers.harness import run_distributed
 
 SIZES = (1, 2, 4, 6, 8)
 
 
 def memory_args(model: str, sample: str, gc: bool, tokens: int, layers: int) -> argparse.Namespace:
-    """The namespace `benchmarks.memory.measure` reads (widths / 16, three vision blocks)."""
-    return argparse.Namespace(model=model, sample=sample, gradient_checkpointing=gc, layers=layers, scale=16,
-                              heads=None, step="sft", dry_run=False, tokens=tokens)
+    """The options of `benchmarks.memory` for one run (widths / 16, three vision blocks, the integrations' loop)."""
+    argv = ["--model", model, "--sample", sample, "--tokens", str(tokens), "--layers", str(layers), "--scale", "16",
+            "--loops", "host", *(["--gradient-checkpointing"] if gc else [])]
+    return memory.parser().parse_args(argv)
 
 
 def main(argv=None) -> None:
@@ -45,7 +46,7 @@ def main(argv=None) -> None:
                         continue
                     start = time.perf_counter()
                     ns = memory_args(model, sample, gc, args.tokens, args.layers)
-                    ranks = run_distributed(measure, size, ns, args.tokens, False, timeout=3600)
+                    ranks = [r["host"] for r in run_distributed(memory.measure, size, ns, args.tokens, False, timeout=3600)]
                     busiest = max(ranks, key=lambda r: r["peak"])
                     done.append({"model": model, "sample": sample, "gc": gc, "P": size, "tokens": args.tokens,
                                  "layers": args.layers, "peak": busiest["peak"], "saved": busiest["saved"],

@@ -3,6 +3,7 @@ here are the ones that hold on any machine: exchange volumes equal the formula, 
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -97,3 +98,18 @@ def test_deltanet_state_dry_run_moves_the_formulas_bytes():
     assert len(rows) == 1, out.stdout
     fwd, fwd_formula, bwd, bwd_formula, step, _ = map(float, rows[0])
     assert fwd == fwd_formula > 0 and bwd == bwd_formula > 0 and step > 0, out.stdout
+
+
+def test_plan_measure_caches_one_measured_peak_per_run(tmp_path):
+    """`benchmarks.plan_measure` (the cache `plan_check` fits on) runs the memory benchmark's own step: one record
+    per (checkpointing, P), each a measured peak, P=2 holding half the row."""
+    out = tmp_path / "plan_memory.json"
+    args = ["--out", str(out), "--tokens", "256", "--layers", "1", "--models", "qwen3-vl", "--samples", "image-heavy",
+            "--sizes", "1", "2"]
+    run = launch(ROOT / "benchmarks" / "plan_measure.py", args, launcher="python")
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = {(r["gc"], r["P"]): r for r in json.loads(out.read_text())}
+    assert set(records) == {(gc, p) for gc in (False, True) for p in (1, 2)}, records
+    assert all(r["peak"] > 0 for r in records.values()), records
+    for gc in (False, True):
+        assert records[gc, 2]["tokens_per_rank"] == records[gc, 1]["tokens_per_rank"] / 2, records
