@@ -75,9 +75,9 @@ def test_without_the_order_the_same_batch_hangs_and_the_timeout_names_the_collec
     assert all(" did not complete on global rank " in m and " of layer " in m and "(backward)" in m for m in raised), raised
 
 
-def collectives_at_different_sites(rank: int, world_size: int) -> str:
+def collectives_at_different_sites(rank: int, world_size: int, checked_alone_first: bool) -> str:
     """Both ranks gather the same tensor (the wire agrees), one at a site the other does not name: the debug check
-    sees the difference."""
+    sees the difference, also after a check without a group (a recomputed layer's own order checks so)."""
     import torch
 
     from vlmcp_patch.collectives import all_gather_small, check_collectives, site
@@ -92,6 +92,8 @@ def collectives_at_different_sites(rank: int, world_size: int) -> str:
         all_gather_small(torch.ones(2), group, world_size)
     with site("layer 2" if rank == 0 else "layer 3"):
         all_gather_small(torch.ones(2), group, world_size)
+    if checked_alone_first:
+        check_collectives(None, 1, "in backward")
     try:
         check_collectives(group, world_size, "in the test")
     except CollectiveError as error:
@@ -99,8 +101,9 @@ def collectives_at_different_sites(rank: int, world_size: int) -> str:
     return ""
 
 
-def test_the_debug_check_raises_on_every_rank_at_the_first_difference():
-    for message in run_distributed(collectives_at_different_sites, 2, timeout=60):
+@pytest.mark.parametrize("checked_alone_first", [False, True])
+def test_the_debug_check_raises_on_every_rank_at_the_first_difference(checked_alone_first):
+    for message in run_distributed(collectives_at_different_sites, 2, checked_alone_first, timeout=60):
         assert "collective 2 of the step differs" in message, message
         assert "rank 0: forward all-gather over vlmcp_cp[2], 2 elements, at layer 2" in message, message
         assert "rank 1: forward all-gather over vlmcp_cp[2], 2 elements, at layer 3" in message, message

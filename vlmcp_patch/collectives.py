@@ -113,15 +113,15 @@ class CollectiveLog:
     def compare(self, group, size: int, when: str) -> None:
         """Compare the records since the last comparison with the other members of `group` (every member calls
         this at the same point); on a difference raise on every member, naming the first one."""
+        if size == 1:  # nothing to compare with: the records wait for the CP group's next check
+            return
         pending = [str(r) for r in self.records[self.compared :]]
         self.compared = len(self.records)
-        if size == 1:
-            return
-        digest = zlib.crc32("\n".join(pending).encode())
-        mine = torch.tensor([len(pending), digest], dtype=torch.int64)
-        everyone = torch.empty(size * 2, dtype=torch.int64)
-        _raising("debug check's all-gather", group, lambda: _all_gather_raw(everyone, mine, group))
-        if len(set(map(tuple, everyone.view(size, 2).tolist()))) == 1:
+        # gathered as objects: torch puts them on the device the group's backend takes (CPU for gloo, GPU for NCCL)
+        everyone = [None] * size
+        mine = (len(pending), zlib.crc32("\n".join(pending).encode()))
+        _raising("debug check's all-gather", group, lambda: dist.all_gather_object(everyone, mine, group=group))
+        if len(set(everyone)) == 1:
             return
         sequences = [None] * size
         _raising("debug check's all-gather", group, lambda: dist.all_gather_object(sequences, pending, group=group))
