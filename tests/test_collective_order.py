@@ -109,32 +109,38 @@ def test_the_debug_check_raises_on_every_rank_at_the_first_difference(checked_al
         assert "rank 1: forward all-gather over vlmcp_cp[2], 2 elements, at layer 3" in message, message
 
 
-def a_rank_that_never_arrives(rank: int, world_size: int) -> dict:
+def a_rank_that_never_arrives(rank: int, world_size: int, exchange: str) -> dict:
     import torch
 
+    from vlmcp_patch.attention.ring import _pass_on
     from vlmcp_patch.collectives import all_to_all, site
-    from vlmcp_patch.distributed import get_cp_group
+    from vlmcp_patch.distributed import get_cp_group, hybrid_groups
     from vlmcp_patch.errors import CollectiveError
 
     import vlmcp_patch
 
     vlmcp_patch.enable(timeout=3)
-    group = get_cp_group(world_size).group
+    cp = get_cp_group(world_size)
+    ring = hybrid_groups(cp, 1).ring  # U=1: the CP group's ranks as one ring
     if rank == 1:
         time.sleep(8)  # never issues the exchange
         return {}
     start = time.monotonic()
     try:
         with site("Qwen3VLTextAttention of layer 7"):
-            all_to_all(torch.ones(1, 4, 2), 1, 2, group, world_size)
+            if exchange == "all-to-all":
+                all_to_all(torch.ones(1, 4, 2), 1, 2, cp.group, world_size)
+            else:  # the pass is posted at once; its wait is where a missing peer shows
+                _pass_on([torch.ones(4)], ring).wait()
     except CollectiveError as error:
         return {"message": str(error), "seconds": time.monotonic() - start}
     return {"message": "", "seconds": time.monotonic() - start}
 
 
-def test_a_collective_that_never_completes_raises_naming_it():
-    waited = run_distributed(a_rank_that_never_arrives, 2, timeout=60)[0]
-    assert waited["message"].startswith("vlmcp-patch: the all-to-all over the vlmcp_cp[2] group at "
+@pytest.mark.parametrize("exchange, group", [("all-to-all", "vlmcp_cp[2]"), ("ring pass", "vlmcp_ring[2]")])
+def test_a_collective_that_never_completes_raises_naming_it(exchange, group):
+    waited = run_distributed(a_rank_that_never_arrives, 2, exchange, timeout=60)[0]
+    assert waited["message"].startswith(f"vlmcp-patch: the {exchange} over the {group} group at "
                                         "Qwen3VLTextAttention of layer 7 (forward) did not complete"), waited
     assert waited["seconds"] < 7, waited
 

@@ -484,7 +484,6 @@ class PendingPass:
     def wait(self) -> list[torch.Tensor]:
         def run():
             for request in self.requests:
-                # gloo's wait on a point-to-point request does not apply the group's timeout by itself
                 request.wait() if self.timeout is None else request.wait(self.timeout)
 
         if self.requests:
@@ -499,26 +498,23 @@ class PendingPass:
 OVERLAP = True
 
 
-def start_pass(tensors: list[torch.Tensor], group, next_rank: int, prev_rank: int, tag: int = 0) -> PendingPass:
+def start_pass(tensors: list[torch.Tensor], group, next_rank: int, prev_rank: int, tag: int = 0,
+               timeout=None) -> PendingPass:
     """Post the sends of `tensors` to `next_rank` and the receives of the same shapes from `prev_rank` (global ranks
     of `group`, a ring) in one batch, and return at once: one communication of the rank's sequence (recorded and
     ordered as issued here), its completion awaited by `PendingPass.wait`. `tag` keeps two rings on the same ranks
-    apart (the keys and their gradients in backward). No autograd: the ring's functions call it in forward and
-    backward. With `OVERLAP` off the pass is complete when this returns."""
+    apart (the keys and their gradients in backward); `timeout` bounds the wait (None: the backend's own). No
+    autograd: the ring's functions call it in forward and backward. With `OVERLAP` off the pass is complete when this
+    returns."""
     received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     sent = [t.contiguous() for t in tensors]
     ops = [dist.P2POp(dist.isend, t, next_rank, group=group, tag=tag) for t in sent]
     ops += [dist.P2POp(dist.irecv, r, prev_rank, group=group, tag=tag) for r in received]
     requests = _communicate("ring pass", group, sum(t.numel() for t in tensors), lambda: dist.batch_isend_irecv(ops))
-    pending = PendingPass(received, requests, sent, group, group_timeout(group))
+    pending = PendingPass(received, requests, sent, group, timeout)
     if not OVERLAP:
         pending.wait()
     return pending
-
-
-def pass_around(tensors: list[torch.Tensor], group, next_rank: int, prev_rank: int) -> list[torch.Tensor]:
-    """Send `tensors` to `next_rank` and receive the same shapes from `prev_rank`, and wait for both (`start_pass`)."""
-    return start_pass(tensors, group, next_rank, prev_rank).wait()
 
 
 def all_gather_small(values: torch.Tensor, group, size: int) -> torch.Tensor:

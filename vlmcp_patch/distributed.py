@@ -209,6 +209,13 @@ class RingPeers:
     size: int
     next_rank: int
     prev_rank: int
+    timeout: object = None  # what a pass waits at most (`_ring_pass_timeout`)
+
+
+def _ring_pass_timeout(group):
+    """The group's timeout for the ring's point-to-point waits on gloo, whose wait does not apply it by itself; None
+    elsewhere (NCCL's watchdog applies it, and a wait given a timeout would hold the host until the pass is done)."""
+    return group_timeout(group) if dist.get_backend(group) == "gloo" else None
 
 
 @dataclass(frozen=True)
@@ -239,15 +246,15 @@ def hybrid_groups(cp: CPGroup, ulysses: int) -> HybridGroups:
                 ranks = list(range(block + member, block + cp.size, ulysses))
                 group = _new_group(ranks, "ring")
                 if me in ranks:
-                    mine["ring"] = (group, ranks)
+                    mine["ring"] = (group, ranks, _ring_pass_timeout(group))
         _HYBRID[key] = mine
     groups = _HYBRID[key]
-    ring_group, ranks = groups["ring"]
+    ring_group, ranks, timeout = groups["ring"]
     index = ranks.index(me)
     return HybridGroups(
         ulysses=CPGroup(group=groups["ulysses"], rank=cp.rank % ulysses, size=ulysses),
         ring=RingPeers(group=ring_group, index=index, size=len(ranks), next_rank=ranks[(index + 1) % len(ranks)],
-                       prev_rank=ranks[(index - 1) % len(ranks)]),
+                       prev_rank=ranks[(index - 1) % len(ranks)], timeout=timeout),
     )
 
 

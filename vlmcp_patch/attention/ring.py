@@ -41,7 +41,7 @@ KEYS, GRADIENTS = 0, 1  # the tags of the two rings of backward: keys and values
 def _pass_on(tensors: list[torch.Tensor], peers: RingPeers, tag: int = KEYS) -> PendingPass:
     """Start sending `tensors` to the next member of the ring and receiving the previous member's (the same shapes);
     the caller computes, then waits (`PendingPass.wait`): the transfer runs behind that compute."""
-    return start_pass(tensors, peers.group, peers.next_rank, peers.prev_rank, tag)
+    return start_pass(tensors, peers.group, peers.next_rank, peers.prev_rank, tag, peers.timeout)
 
 
 def block_mask(q_pos: torch.Tensor, q_seg: torch.Tensor, k_pos: torch.Tensor, k_seg: torch.Tensor) -> torch.Tensor:
