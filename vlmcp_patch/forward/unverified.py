@@ -18,6 +18,7 @@ from ..errors import PatchTargetError, Problem
 from ..flags import BYPASS
 from .agreement import agree
 from .arguments import call_arguments
+from .batch import batch_device
 from .plan import CP, ForwardPlan
 
 
@@ -56,7 +57,7 @@ def unverified_guard(family: str):
             call = call_arguments(wrapped, args, kwargs)
         except TypeError:  # the target's signature changed: fingerprint what was passed by keyword
             call = dict(kwargs)
-        agree(ForwardPlan(CP, cp, refusal=problem, device=instance.device), call, instance)  # raises on every rank
+        agree(ForwardPlan(CP, cp, refusal=problem, device=batch_device(call)), call, instance)  # raises on every rank
         problem.raise_it()  # not reached: agree raised this rank's problem
 
     return guard
