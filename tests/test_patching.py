@@ -361,3 +361,16 @@ def test_a_reloaded_package_still_runs_cp():
     for declared, after_reload, cp_loss, p1_loss in run_distributed(_reloaded_cp_forward, 2, timeout=120):
         assert declared == after_reload  # one record per target, not two
         assert abs(cp_loss - p1_loss) <= 1e-5 * abs(p1_loss)
+
+
+def test_the_cost_model_loads_on_use_not_with_the_package():
+    """A training rank's `import vlmcp_patch` does not load the planner; `vlmcp_patch.plan` (and `Row`, `Training`)
+    load it when asked."""
+    code = """
+    import sys
+    import vlmcp_patch
+    loaded_with_import = "vlmcp_patch.planning" in sys.modules
+    from vlmcp_patch import Row, plan
+    print(loaded_with_import, plan.__module__, Row.__module__)
+    """
+    assert _run(code) == "False vlmcp_patch.planning vlmcp_patch.planning"

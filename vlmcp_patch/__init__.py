@@ -35,7 +35,6 @@ from .integrations import vision_placeholder as _vision_placeholder  # noqa: E40
 from .integrations.placement import batch_to_device  # noqa: E402
 from .integrations.setup import check_cp_setup  # noqa: E402
 from .logprobs import token_log_probs  # noqa: E402
-from .planning import Row, Training, plan  # noqa: E402  (pure arithmetic: the cost model)
 from .patching import PATCHES, cp_size  # noqa: E402
 from .settings import SETTINGS, enable, env_flag  # noqa: E402
 from .supported import supported_class_names  # noqa: E402
@@ -86,6 +85,11 @@ def __getattr__(name: str):
         from .callback import VLMCPCallback
 
         return VLMCPCallback
+    # The cost model (`plan`) serves the command line and planning scripts, not a training rank: load it on use.
+    if name in ("plan", "Row", "Training"):
+        from . import planning
+
+        return getattr(planning, name)
     raise AttributeError(f"module 'vlmcp_patch' has no attribute {name!r}")
 
 
