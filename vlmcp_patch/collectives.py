@@ -179,10 +179,14 @@ def _raising(op: str, group, run):
         ) from error
 
 
+def _collective(name: str, before_2_13: str):
+    """torch.distributed's collective `name`, or its name before torch 2.13 renamed it (deprecating the old one);
+    looked up at each call, as torch.distributed's functions are (the collective probes wrap them there)."""
+    return getattr(dist, name, None) or getattr(dist, before_2_13)
+
+
 def _all_gather_raw(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single; looked up at each call, as
-    # torch.distributed's functions are (the collective probes wrap them there)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+    _collective("all_gather_single", "all_gather_into_tensor")(out, x, group=group)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -337,8 +341,7 @@ def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """x (size, *block) on every member -> (*block): the sum over the members of x[this member's group rank]."""
     flat = x.contiguous().view(-1)
     out = x.new_empty(x.shape[1:])
-    # torch 2.13 renames reduce_scatter_tensor to reduce_scatter_single, as all_gather's (`_all_gather_raw`)
-    run = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    run = _collective("reduce_scatter_single", "reduce_scatter_tensor")
     _communicate("reduce-scatter", group, flat.numel(), lambda: run(out.view(-1), flat, group=group))
     return out
 
@@ -401,25 +404,25 @@ class _GatherOverGroup(torch.autograd.Function):
     docstring): a member that uses none of them still joins it."""
 
     @staticmethod
-    def forward(ctx, x, group, size, rank, token):
-        ctx.group, ctx.rank = group, rank
+    def forward(ctx, x, group, size, token):
+        ctx.group = group
         remember_order(ctx, token)
         return needs_grad(ctx, _all_gather_along(x.unsqueeze(0), 0, group, size)), new_token(x)
 
     @staticmethod
     def backward(ctx, grad, grad_token):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, token_grad(ctx, grad_token)
+            return None, None, None, token_grad(ctx, grad_token)
         with site(ctx.site):
             grad = _reduce_scatter(grad, ctx.group)
-        return grad, None, None, None, token_grad(ctx, grad_token)
+        return grad, None, None, token_grad(ctx, grad_token)
 
 
-def gather_over_group(x: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
+def gather_over_group(x: torch.Tensor, group, size: int) -> torch.Tensor:
     """See `_GatherOverGroup`."""
     if size == 1:
         return x.unsqueeze(0)
-    return ordered(_GatherOverGroup, x, group, size, rank)
+    return ordered(_GatherOverGroup, x, group, size)
 
 
 class _ExchangeRows(torch.autograd.Function):

@@ -114,7 +114,7 @@ def _pieces(ctx: CPContext, chunk: int) -> list[Piece]:
 def _gathered_by_chunk(ctx: CPContext, mine: torch.Tensor) -> list[torch.Tensor]:
     """Every chunk's entry, in row order, of a per-chunk tensor (2, ...) each ring member holds for its two chunks."""
     ring = ctx.groups.ring
-    gathered = gather_over_group(mine.contiguous(), ring.group, ring.size, ring.index)  # (R, 2, ...)
+    gathered = gather_over_group(mine.contiguous(), ring.group, ring.size)  # (R, 2, ...)
     by_chunk = {chunk: gathered[member, slot] for member in range(ring.size)
                 for slot, chunk in enumerate(ctx.split.chunks_of(member))}
     return [by_chunk[chunk] for chunk in range(len(by_chunk))]
