@@ -11,7 +11,6 @@ import pytest
 from tests.helpers.harness import ROOT
 from vlmcp_patch import planning
 from vlmcp_patch.layout import ulysses_degree
-from vlmcp_patch.loss import chunk_tokens
 from vlmcp_patch.planning import MODELS, Row, Training, plan
 
 TABLE = re.compile(r"<!-- sizing-table: begin -->\n(.*?)\n<!-- sizing-table: end -->", re.DOTALL)
@@ -47,12 +46,6 @@ def test_public_parameter_counts():
     published = {"qwen3-vl-8b": 8.77e9, "llama-3.1-8b": 8.03e9, "qwen3-4b": 4.02e9}
     for name, count in published.items():
         assert MODELS[name].params() == pytest.approx(count, rel=0.02)
-
-
-def test_the_head_chunks_follow_the_package_rule():
-    for tokens in (1, 31, 100, 2048, 65536, 1_000_000):
-        for hidden, vocab in ((4096, 151936), (128, 9496), (5120, 248320)):
-            assert planning.head_chunk_tokens(tokens, hidden, vocab) == chunk_tokens(tokens, hidden, vocab)
 
 
 def test_memory_shrinks_as_one_over_p_when_the_heads_divide():

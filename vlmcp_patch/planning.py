@@ -1,6 +1,7 @@
 """Plan before you book: a cost model of one CP training step — per-rank peak memory and step time — for each CP
 size P and each U x R layout a model's heads allow. Pure arithmetic: this module imports nothing heavy itself (the
-package's layout rule, `layout.ulysses_degree`, is imported when a plan is made).
+package's own rules it prices — `layout.ulysses_degree`, `layout.kv_replication_factor`, `loss.chunk_tokens` — are
+imported when a plan is made).
 
     python -m vlmcp_patch plan --model qwen3-vl-8b --video-tokens 1048576 --gpus-per-node 8 --gpu h100
     vlmcp_patch.plan(model="qwen3.5-27b", row=Row.video(524288), gpu="h100")   # -> list[PlanRow]
@@ -316,21 +317,11 @@ def package_ulysses(dims: ModelDims, size: int, gpus_per_node: int | None = None
 
 
 def replicated(heads: int, query_heads: int, ulysses: int) -> int:
-    """KV heads (or DeltaNet key heads) after the package's replication for U (`layout.kv_replication_factor`:
-    the smallest factor of the group size that makes them divisible by U)."""
-    if heads % ulysses == 0:
-        return heads
-    group = query_heads // heads
-    return heads * next(k for k in range(1, group + 1) if group % k == 0 and heads * k % ulysses == 0)
+    """KV heads (or DeltaNet key heads) after the package's replication for U (its own rule,
+    `layout.kv_replication_factor`: the smallest factor of the group size that makes them divisible by U)."""
+    from .layout import kv_replication_factor  # torch at call time only
 
-
-def head_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
-    """Tokens per chunk of the fused head (`loss.chunk_tokens`' rule, repeated here without torch)."""
-    proportional = math.ceil(tokens * hidden * 32 / vocab)
-    size = max(1, proportional, min(tokens, 32))
-    chunk = math.ceil(tokens / max(1, tokens // size))
-    largest = max(1, (1 << 30) // (4 * vocab))
-    return chunk if chunk <= largest else math.ceil(tokens / math.ceil(tokens / largest))
+    return heads * kv_replication_factor(query_heads, heads, ulysses)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -512,10 +503,12 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     # the fused head: one chunk of fp32 logits (turned into their gradient in place), its bf16 copy for the
     # gradient matmuls, the slice's hidden-state gradient in fp32; a stock head keeps the slice's fp32 logits,
     # their softmax and gradient (3 x)
+    from .loss import chunk_tokens  # torch at call time only
+
     if t.stock_head:
         m.head = 3 * 4.0 * local * d.vocab + 4.0 * local * d.hidden
     else:
-        chunk = head_chunk_tokens(local, d.hidden, d.vocab)
+        chunk = chunk_tokens(local, d.hidden, d.vocab)  # the package's own rule
         copy = b if b < 4 else 0  # the cast back to the head's dtype is a no-op in fp32
         m.head = (4 + copy) * chunk * d.vocab + 4.0 * local * d.hidden
     m.batch = 32.0 * row.tokens  # ids, labels, positions, token types: int64, whole row
