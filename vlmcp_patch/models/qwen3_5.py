@@ -41,6 +41,13 @@ def _deltanet_class(family: Family) -> type:
     return getattr(importlib.import_module(family.module), f"{prefix}GatedDeltaNet")
 
 
+def _replaced_forward(module: torch.nn.Module):
+    """The forward `kernels.kernelize` bound on `module` in place of its class's (a hub kernel); None where the
+    module runs its class's forward (kernelize's own fallback binds that one, which is no replacement)."""
+    bound = vars(module).get("forward")
+    return bound if bound is not None and getattr(bound, "__func__", None) is not type(module).forward else None
+
+
 def kernelized_layer_problem(model) -> str | None:
     """On the package's path (under CP, a packed row at P=1), a DeltaNet layer whose forward was replaced on the
     module itself, the way `kernels.kernelize` installs a hub kernel (`module.forward = MethodType(kernel.forward,
@@ -56,8 +63,8 @@ def kernelized_layer_problem(model) -> str | None:
     """
     classes = tuple(_deltanet_class(family) for family in FAMILIES)
     for name, module in model.named_modules():
-        bound = vars(module).get("forward") if isinstance(module, classes) else None
-        if bound is not None and getattr(bound, "__func__", None) is not type(module).forward:
+        bound = _replaced_forward(module) if isinstance(module, classes) else None
+        if bound is not None:
             return (
                 f"the gated DeltaNet layer {name} ({type(module).__name__}) runs a forward replaced on the module "
                 f"({getattr(bound, '__qualname__', bound)}), as `kernels.kernelize` installs a hub kernel "
@@ -126,8 +133,7 @@ def _takes_packed_sequences(fn, device: torch.device) -> bool:
     reference rejects packed-sequence arguments, so anything else is treated as torch.
     """
     if isinstance(fn, torch.nn.Module):
-        bound = vars(fn).get("forward")  # kernelize binds a kernel, or (its fallback) the class's own forward
-        if bound is not None and getattr(bound, "__func__", None) is not type(fn).forward:
+        if _replaced_forward(fn) is not None:
             return False  # a hub kernel: only the stock signature is known
         fn = _closure_value(type(fn).forward, "func")
     while fn is not None:
