@@ -394,7 +394,7 @@ class PatchSet:
         if patch.target in self.unverified:
             return self.unverified[patch.target][1]
         family = getattr(patch, "family", None)
-        blocked = [t for t, (fam, _) in self.unverified.items() if family is not None and fam in (None, family)]
+        blocked = [target for target, _ in self.unverified_for(family)] if family is not None else []
         return f"left stock with its family: {', '.join(blocked)} did not verify" if blocked else None
 
     def status(self) -> list[dict]:
