@@ -41,8 +41,7 @@ def given_cache(call: dict):
 
 def has_vision(call: dict) -> bool:
     """Whether a call carries images or videos (pixels or grids)."""
-    keys = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
-    return any(call.get(k) is not None for k in keys)
+    return any(call.get(key) is not None for _, pixels, grid, _ in VISION for key in (pixels, grid))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -98,10 +97,8 @@ def stock_gets_packed_row_right(model, call: dict) -> bool:
         return False
     if text._attn_implementation == "flash_attention_2":
         return True
-    use_cache = call.get("use_cache")
-    restarting = text_positions(call)
-    return not (text.use_cache if use_cache is None else use_cache) and restarting is not None and bool(
-        starts_of(restarting)[..., 1:].any())
+    restarting = text_positions(call)  # sdpa and eager: stock's restarts where it builds no cache
+    return restarting is not None and stock_restarts(model, call, restarting, restarting.shape[0]) is not None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -187,7 +184,8 @@ def read_batch(model, call: dict, packed: bool) -> BatchReading:
     cumulative = []
     if packed:
         text_starts = None if text is None else starts_of(text)
-        cumulative = [(name, cu, _starts_of_cumulative(cu, shape[1])) for name, cu in _cumulative_lengths(call)]
+        cumulative = [(name, cu, _starts_of_cumulative(cu, shape[1]))
+                      for name, cu in _cumulative_lengths(call, cumulative_mask)]
         starts = next((s for s in reversed([text_starts, *(c[2] for c in cumulative)]) if s is not None), None)
     else:
         mask = call.get("attention_mask")
@@ -212,9 +210,10 @@ def tokens_shape(call: dict) -> tuple[int, int] | None:
     return tuple(embeds.shape[:2]) if embeds is not None and embeds.ndim == 3 else None
 
 
-def _cumulative_lengths(call: dict) -> list[tuple[str, torch.Tensor]]:
-    """A packed row's cumulative lengths, given as the mask (the official script) and / or `cu_seq_lens_q`."""
-    given = [("attention_mask", call["attention_mask"] if cumulative_lengths_mask(call) else None),
+def _cumulative_lengths(call: dict, cumulative_mask: torch.Tensor | None) -> list[tuple[str, torch.Tensor]]:
+    """A packed row's cumulative lengths, given as the mask (the official script; `cumulative_mask`) and / or
+    `cu_seq_lens_q`."""
+    given = [("attention_mask", cumulative_mask),
              ("cu_seq_lens_q", call.get("cu_seq_lens_q"))]  # in this order: the rules check them so
     return [(name, cu) for name, cu in given if cu is not None]
 
