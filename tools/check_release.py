@@ -25,7 +25,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-from packaging.requirements import Requirement
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -38,14 +37,14 @@ def patch_records(version: str) -> list:
     os.environ["VLMCP_DISABLE"] = "1"
     try:
         import vlmcp_patch
-        from vlmcp_patch.patching import Patch
+        from vlmcp_patch.patching import Patch, applies_here
     finally:
         if previous is None:
             os.environ.pop("VLMCP_DISABLE")
         else:
             os.environ["VLMCP_DISABLE"] = previous
     return [p for p in vlmcp_patch.PATCHES.patches if isinstance(p, Patch) and p.target.startswith("transformers.")
-            and (p.since is None or Requirement(p.since).specifier.contains(version, prereleases=True))]
+            and applies_here(p, version)]
 
 
 def newest_checked() -> str:

@@ -259,8 +259,9 @@ def _package(patch) -> str | None:
     return getattr(patch, "requires", None)
 
 
-def applies_here(patch) -> bool:
-    """False for a patch declared `since` a release newer than the installed one (its target does not exist yet)."""
+def applies_here(patch, version: str | None = None) -> bool:
+    """False for a patch declared `since` a release newer than the installed one, or than `version` of the package
+    it names when given (`tools/check_release.py`): its target does not exist yet."""
     since = getattr(patch, "since", None)
     if since is None:
         return True
@@ -268,10 +269,10 @@ def applies_here(patch) -> bool:
 
     requirement = Requirement(since)
     try:
-        installed = importlib.metadata.version(requirement.name)
+        version = version or importlib.metadata.version(requirement.name)
     except importlib.metadata.PackageNotFoundError:
         return False
-    return requirement.specifier.contains(installed, prereleases=True)
+    return requirement.specifier.contains(version, prereleases=True)
 
 
 @dataclass
