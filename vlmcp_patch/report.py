@@ -87,13 +87,12 @@ def model_layout(text_config, sizes, node_size: int | None = None) -> list[str]:
     """How a model's heads split at each CP size: U ranks exchange sequence for heads, R subgroups form a ring; with
     `node_size` (ranks per node), where the subgroups and rings fall on the nodes (`layout.ulysses_degree`)."""
     from .errors import UnsupportedSetupError
-    from .attention.heads import has_deltanet
+    from .attention.heads import has_deltanet, head_counts
     from .layout import node_spans, ulysses_degree
 
-    heads = [text_config.num_attention_heads]
+    heads = head_counts(text_config)
     described = f"{text_config.num_attention_heads} query heads"
     if has_deltanet(text_config):
-        heads.append(text_config.linear_num_value_heads)
         described += f", {text_config.linear_num_value_heads} DeltaNet value heads"
     nodes = f"nodes of {node_size} ranks" if node_size else "one node"
     override = f", VLMCP_ULYSSES_SIZE={SETTINGS.ulysses_size}" if SETTINGS.ulysses_size else ""

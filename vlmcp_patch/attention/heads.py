@@ -42,11 +42,16 @@ def has_deltanet(text_config) -> bool:
     return bool(getattr(text_config, "linear_num_value_heads", None))
 
 
+def head_counts(text_config) -> list[int]:
+    """The head counts the Ulysses degree U must divide: the query heads, and the DeltaNet value heads."""
+    heads = [text_config.num_attention_heads]
+    if has_deltanet(text_config):
+        heads.append(text_config.linear_num_value_heads)
+    return heads
+
+
 def ulysses_of(text_config, size: int) -> int:
     """U of the P = U x R layout for a model: the largest divisor of P that splits its query heads (and its DeltaNet
     value heads), inside a node where the heads allow (`layout.ulysses_degree`); the rest of P is a ring
     (`layout.Split`)."""
-    heads = [text_config.num_attention_heads]
-    if has_deltanet(text_config):
-        heads.append(text_config.linear_num_value_heads)
-    return ulysses_for(size, heads)
+    return ulysses_for(size, head_counts(text_config))
