@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .collectives import gather_keep_local_grad, group_timeout
 from .errors import UnsupportedSetupError
 from .flags import BYPASS, scoped
-from .layout import ulysses_degree
+from .layout import hybrid_rank_lists, ulysses_degree
 from .patching import cp_size
 from .settings import SETTINGS
 
@@ -237,13 +237,12 @@ def hybrid_groups(cp: CPGroup, ulysses: int) -> HybridGroups:
     if key not in _HYBRID:
         # new_group is collective over the whole world: every rank creates every subgroup and ring, in order.
         mine = {}
-        for block in range(0, world, cp.size):
-            for start in range(block, block + cp.size, ulysses):
-                group = _new_group(list(range(start, start + ulysses)), "ulysses")
-                if start <= me < start + ulysses:
+        for subgroups, rings in hybrid_rank_lists(world, cp.size, ulysses):
+            for ranks in subgroups:
+                group = _new_group(ranks, "ulysses")
+                if me in ranks:
                     mine["ulysses"] = group
-            for member in range(ulysses):
-                ranks = list(range(block + member, block + cp.size, ulysses))
+            for ranks in rings:
                 group = _new_group(ranks, "ring")
                 if me in ranks:
                     mine["ring"] = (group, ranks, _ring_pass_timeout(group))

@@ -162,17 +162,24 @@ def _checked_override(size: int, divisible: Sequence[int], node_size: int | None
     return override
 
 
+def hybrid_rank_lists(world: int, size: int, ulysses: int) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """The rank numbering of the P = U x R layout (`distributed.hybrid_groups` creates its groups in this order):
+    for each CP block of `size` consecutive ranks of `world`, its Ulysses subgroups (`ulysses` consecutive ranks) and
+    its rings (the block's ranks of stride U, one per position in a subgroup)."""
+    return [([list(range(start, start + ulysses)) for start in range(block, block + size, ulysses)],
+             [list(range(block + member, block + size, ulysses)) for member in range(ulysses)])
+            for block in range(0, world, size)]
+
+
 def node_spans(size: int, ulysses: int, node_size: int, world: int | None = None) -> dict[str, bool]:
     """How the groups of the P = U x R layout over `world` ranks (default: one CP group) sit on nodes of
     `node_size` consecutive ranks: `ulysses_inside_node` — every Ulysses subgroup lies inside one node;
-    `ring_crosses_nodes` — some ring has members on two nodes. Pure arithmetic on the rank numbering of
-    `distributed.hybrid_groups` (CP blocks of `size`, subgroups of `ulysses` consecutive ranks, rings of stride U)."""
-    world = size if world is None else world
-    node = [r // node_size for r in range(world)]
-    subgroups = [range(s, s + ulysses) for s in range(0, world, ulysses)]
-    rings = [range(b + m, b + size, ulysses) for b in range(0, world, size) for m in range(ulysses)]
-    return {"ulysses_inside_node": all(len({node[r] for r in g}) == 1 for g in subgroups),
-            "ring_crosses_nodes": any(len({node[r] for r in g}) > 1 for g in rings)}
+    `ring_crosses_nodes` — some ring has members on two nodes (`hybrid_rank_lists`)."""
+    blocks = hybrid_rank_lists(size if world is None else world, size, ulysses)
+    subgroups = [ranks for block, _ in blocks for ranks in block]
+    rings = [ranks for _, block in blocks for ranks in block]
+    return {"ulysses_inside_node": all(len({r // node_size for r in g}) == 1 for g in subgroups),
+            "ring_crosses_nodes": any(len({r // node_size for r in g}) > 1 for g in rings)}
 
 
 @dataclass(frozen=True)
