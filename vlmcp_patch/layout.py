@@ -120,8 +120,9 @@ def kv_replication_factor(num_heads: int, num_kv_heads: int, size: int) -> int |
     return next(k for k in range(1, group + 1) if group % k == 0 and (num_kv_heads * k) % size == 0)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def ulysses_choices(size: int, divisible: Sequence[int]) -> list[int]:
+    """Every U the heads allow at CP size `size`, ascending: the divisors of `size` that divide each head count."""
+    return [u for u in range(1, size + 1) if size % u == 0 and all(n % u == 0 for n in divisible)]
 
 
 def ulysses_degree(size: int, divisible: Sequence[int], node_size: int | None = None,
@@ -140,14 +141,14 @@ def ulysses_degree(size: int, divisible: Sequence[int], node_size: int | None = 
     if override is not None and size > 1:
         return _checked_override(size, divisible, node_size, override)
     node = size if node_size is None else node_size
-    return max(u for u in _divisors(size) if node % u == 0 and all(n % u == 0 for n in divisible))
+    return max(u for u in ulysses_choices(size, divisible) if node % u == 0)
 
 
 def _checked_override(size: int, divisible: Sequence[int], node_size: int | None, override: int) -> int:
     """`override` as U if it is a valid one (`ulysses_degree`), else UnsupportedSetupError saying which are."""
     from .errors import UnsupportedSetupError
 
-    allowed = [u for u in _divisors(size) if all(n % u == 0 for n in divisible)]
+    allowed = ulysses_choices(size, divisible)
     problem = None
     if override not in allowed:
         problem = (f"it must divide the CP size {size} and the head counts {list(divisible)}; the Ulysses sizes "

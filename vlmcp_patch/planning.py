@@ -1,6 +1,7 @@
 """Plan before you book: a cost model of one CP training step — per-rank peak memory and step time — for each CP
 size P and each U x R layout a model's heads allow. Pure arithmetic: this module imports nothing heavy itself (the
-package's own rules it prices — `layout.ulysses_degree`, `layout.kv_replication_factor`, `loss.chunk_tokens` — are
+package's own rules it prices — `layout.ulysses_choices` and `ulysses_degree`, `layout.kv_replication_factor`,
+`loss.chunk_tokens` — are
 imported when a plan is made).
 
     python -m vlmcp_patch plan --model qwen3-vl-8b --video-tokens 1048576 --gpus-per-node 8 --gpu h100
@@ -304,8 +305,9 @@ CALIBRATED = Constants(attention=1.154, deltanet=2.381, vision=1.122, attention_
 def layouts(dims: ModelDims, size: int) -> list[tuple[int, int]]:
     """Every (U, R) with U x R = `size` and U dividing the heads (the package picks the largest U:
     `layout.ulysses_degree`)."""
-    heads = dims.head_counts()
-    return [(u, size // u) for u in range(size, 0, -1) if size % u == 0 and all(h % u == 0 for h in heads)]
+    from .layout import ulysses_choices  # torch at call time only
+
+    return [(u, size // u) for u in reversed(ulysses_choices(size, dims.head_counts()))]
 
 
 def package_ulysses(dims: ModelDims, size: int, gpus_per_node: int | None = None) -> int:
