@@ -1,8 +1,7 @@
 """Plan before you book: a cost model of one CP training step — per-rank peak memory and step time — for each CP
 size P and each U x R layout a model's heads allow. Pure arithmetic: this module imports nothing heavy itself (the
 package's own rules it prices — `layout.ulysses_choices` and `ulysses_degree`, `layout.kv_replication_factor`,
-`loss.chunk_tokens` — are
-imported when a plan is made).
+`loss.chunk_tokens` — are imported when a plan is made).
 
     python -m vlmcp_patch plan --model qwen3-vl-8b --video-tokens 1048576 --gpus-per-node 8 --gpu h100
     vlmcp_patch.plan(model="qwen3.5-27b", row=Row.video(524288), gpu="h100")   # -> list[PlanRow]
