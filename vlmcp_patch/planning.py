@@ -616,12 +616,12 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
         compute_s += attention_s
     out = Time(compute=compute_s, overlap=t.ring_overlap)
     local = row.tokens / size
-    if ring > 1 and t.attention == "sdpa" and hw.tile_gelems:
-        passes = 2 if t.gradient_checkpointing else 1
-        out.compute += ring_tile_seconds(d, hw, local, ulysses, ring, forward_passes=passes)
     forward_passes = 2 if t.gradient_checkpointing else 1
+    if ring > 1 and t.attention == "sdpa" and hw.tile_gelems:
+        out.compute += ring_tile_seconds(d, hw, local, ulysses, ring, forward_passes=forward_passes)
+    kv = replicated(d.kv_heads, d.heads, ulysses) * d.head_dim  # KV width per token after the replication for U
     if ulysses > 1:
-        hd, kv = d.heads * d.head_dim, replicated(d.kv_heads, d.heads, ulysses) * d.head_dim
+        hd = d.heads * d.head_dim
         per_token = d.full_layers * 2 * (2 * hd + 2 * kv) / 2  # each way: (2 H + 2 H_kv') D, forward or backward
         if d.linear_layers:
             k_rep = replicated(d.linear_k_heads, d.linear_v_heads, ulysses) * d.linear_k_dim
@@ -631,7 +631,6 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
         calls = 4 * d.layers * (forward_passes + 1)
         out.all_to_all = all_to_all_seconds(hw, volume, ulysses, gpus_per_node) + calls * hw.latency_s
     if ring > 1:
-        kv = replicated(d.kv_heads, d.heads, ulysses) * d.head_dim
         forward = 2 * (ring - 1) * local * kv * forward_passes
         backward = (4 * (ring - 1) + 2) * local * kv
         bw = link_gbs(hw, size, gpus_per_node) * 1e9
@@ -663,6 +662,13 @@ def candidate_sizes(gpus_per_node: int, max_gpus: int) -> list[int]:
     return sorted({p for p in sizes if p <= max_gpus})
 
 
+def hardware(gpu: str | Hardware = "h100", memory_gib: float | None = None, **rates) -> Hardware:
+    """`gpu` ("h100", "h200" or a Hardware) with `memory_gib` and the `rates` given (not None) in place of its own."""
+    hw = GPUS[gpu.lower()] if isinstance(gpu, str) else gpu
+    hw = replace(hw, **{k: v for k, v in rates.items() if v is not None})
+    return replace(hw, memory_gib=memory_gib) if memory_gib else hw
+
+
 def plan(model="qwen3-vl-8b", row: Row | int = 131072, gpu: str | Hardware = "h100", gpus_per_node: int = 8,
          memory_gib: float | None = None, training: Training | None = None, sizes=None, max_gpus: int = 128,
          all_layouts: bool = True, constants: Constants | None = None, **rates) -> list[PlanRow]:
@@ -674,22 +680,19 @@ def plan(model="qwen3-vl-8b", row: Row | int = 131072, gpu: str | Hardware = "h1
     per GPU among all rows that fit (any P, any layout); every row's `why` says why it wins or loses."""
     dims = model_dims(model)
     row = Row.text(row) if isinstance(row, int) else row
-    hw = GPUS[gpu.lower()] if isinstance(gpu, str) else gpu
-    hw = replace(hw, **{k: v for k, v in rates.items() if v is not None})
-    if memory_gib:
-        hw = replace(hw, memory_gib=memory_gib)
+    hw = hardware(gpu, memory_gib, **rates)
     t = training or Training()
     c = constants or CALIBRATED
     rows: list[PlanRow] = []
+    flipped = replace(t, gradient_checkpointing=not t.gradient_checkpointing)
     for size in sizes or candidate_sizes(gpus_per_node, max_gpus):
         chosen = package_ulysses(dims, size, gpus_per_node)
+        weights, grads, optimizer = static_memory(dims, t, size * t.dp)
         for ulysses, ring in layouts(dims, size):
             if not all_layouts and ulysses != chosen:
                 continue
-            weights, grads, optimizer = static_memory(dims, t, size * t.dp)
             memory = activation_memory(dims, row, t, c, size, ulysses)
             memory.weights, memory.gradients, memory.optimizer = weights, grads, optimizer
-            flipped = replace(t, gradient_checkpointing=not t.gradient_checkpointing)
             other = activation_memory(dims, row, flipped, c, size, ulysses)
             other.weights, other.gradients, other.optimizer = weights, grads, optimizer
             time = step_time(dims, row, t, hw, size, ulysses, gpus_per_node)
@@ -891,8 +894,5 @@ def main(argv=None) -> int:
     rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None
     rows = plan(dims, row, gpu=a.gpu, gpus_per_node=a.gpus_per_node, memory_gib=a.memory_gib, training=training,
                 sizes=a.sizes, max_gpus=a.max_gpus, all_layouts=not a.chosen_only, **rates)
-    hardware = replace(GPUS[a.gpu], **{k: v for k, v in rates.items() if v is not None})
-    if a.memory_gib:
-        hardware = replace(hardware, memory_gib=a.memory_gib)
-    print(format_table(rows, dims, row, hardware, training, a.gpus_per_node))
+    print(format_table(rows, dims, row, hardware(a.gpu, a.memory_gib, **rates), training, a.gpus_per_node))
     return 0
