@@ -106,6 +106,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and want[2] else None
         total = hidden.new_zeros((), dtype=torch.float32)
+        # stock's cross-entropy gives an ignored target a zero gradient whatever the loss's gradient is: with no
+        # target in the batch that gradient is 1/0 (a NaN loss) and the parameters' gradients are still zeros
+        ctx.has_targets = bool((labels != IGNORE_INDEX).any())
         for a, b in _chunks(hidden.shape[0], chunk):
             h = hidden[a:b]
             logits = F.linear(h, weight, bias).float()
@@ -122,7 +125,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         grad_hidden, grad_weight, grad_bias, weight_dtype, bias_dtype = ctx.grads
         ctx.grads = None  # computed once for one backward
-        scale = None if bool(grad_total == 1) else grad_total
+        # no target here: the gradients are exact zeros, as stock's, even for a non-finite `grad_total`
+        scale = None if not ctx.has_targets or bool(grad_total == 1) else grad_total
         out = []
         for grad, dtype in ((grad_hidden, None), (grad_weight, weight_dtype), (grad_bias, bias_dtype)):
             if grad is not None:
@@ -220,9 +224,10 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         for a, b in _chunks(hidden.shape[0], ctx.chunk):
             h, y = hidden[a:b], targets[a:b]
             logp = _log_softmax_in_place(_scaled_logits(h, weight, bias, ctx.temperature))
-            valid = (y != IGNORE_INDEX).float()
-            g_logp = (grad_log_probs[a:b] * valid)[:, None]
-            g_ent = (grad_entropy[a:b] * valid)[:, None]
+            # zero where the target is ignored, as stock's `torch.where` gives, whatever the incoming gradient there
+            valid = y != IGNORE_INDEX
+            g_logp = torch.where(valid, grad_log_probs[a:b], 0.0)[:, None]
+            g_ent = torch.where(valid, grad_entropy[a:b], 0.0)[:, None]
             # d logp_y / dz = onehot - p;  d H / dz = -p (log p + H): written over logp, two (c, V) buffers at most
             p = logp.exp()
             grad_z = logp.add_(entropy[a:b, None]).mul_(g_ent).add_(g_logp).mul_(p).neg_()
