@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveError
+from .grad_shares import shares_of
 from .settings import SETTINGS
 
 # ---------------------------------------------------------------------------------------------------------
@@ -372,7 +373,7 @@ class _GatherKeepLocalGrad(torch.autograd.Function):
 def gather_keep_local_grad(x: torch.Tensor, dim: int, group, size: int, rank: int) -> torch.Tensor:
     if size == 1:
         return x
-    return _GatherKeepLocalGrad.apply(x, dim, group, size, rank)
+    return shares_of(_GatherKeepLocalGrad.apply(x, dim, group, size, rank))
 
 
 class _SumKeepLocalGrad(torch.autograd.Function):
@@ -394,7 +395,7 @@ class _SumKeepLocalGrad(torch.autograd.Function):
 def sum_keep_local_grad(x: torch.Tensor, group, size: int) -> torch.Tensor:
     if size == 1:
         return x
-    return _SumKeepLocalGrad.apply(x, group)
+    return shares_of(_SumKeepLocalGrad.apply(x, group))
 
 
 class _GatherOverGroup(torch.autograd.Function):

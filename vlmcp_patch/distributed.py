@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .collectives import gather_keep_local_grad, group_timeout
 from .errors import UnsupportedSetupError
+from .grad_shares import shares_summed
 from .flags import BYPASS, scoped
 from .layout import hybrid_rank_lists, ulysses_degree
 from .patching import cp_size
@@ -347,6 +348,7 @@ def sum_over_cp_group(tensors, group=None) -> None:
     for tensor in tensors:
         if tensor is not None:
             dist.all_reduce(tensor, group=group)
+    shares_summed()
 
 
 def gather_sequence(tensor: torch.Tensor, dim: int = 1, length: int | None = None, cp: CPGroup | None = None):
