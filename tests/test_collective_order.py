@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests.helpers.harness import run_distributed
-from tests.helpers.order_cases import FIXED, draw_sweep, run_fixed, run_sweep
+from tests.helpers.order_cases import FIXED, draw_sweep, run_fixed, run_sweep, run_two_forwards
 from tests.helpers.parity import TOL
 
 
@@ -42,6 +42,27 @@ def test_layouts_that_hung_equal_stock_with_one_order_of_collectives(cp_size):
     per_rank = run_distributed(run_fixed, cp_size, timeout=240)
     for case in per_rank[0]:
         assert_exact_and_ordered([res[case] for res in per_rank], f"{case}, P={cp_size}")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("cp_size", sorted(FIXED))
+def test_layouts_that_hung_under_gradient_checkpointing(cp_size, checkpointing):
+    """Non-reentrant checkpointing recomputes a layer inside the main backward, at the first unpack of what it saved:
+    the layer's recomputed collectives then run between other layers' backward collectives, ordered by the graph
+    (docs/design.md, "Recomputed layers")."""
+    per_rank = run_distributed(run_fixed, cp_size, checkpointing, timeout=300)
+    for case in per_rank[0]:
+        assert_exact_and_ordered([res[case] for res in per_rank], f"{case}, {checkpointing}, P={cp_size}")
+
+
+@pytest.mark.parametrize("checkpointing", ["", "non_reentrant"])
+def test_two_forwards_under_one_backward_equal_stock_with_one_order(checkpointing):
+    """Two chains under one backward (the P=3 layout that hung, and a second padded batch): exact, and the same
+    collectives in the same order on every rank."""
+    per_rank = run_distributed(run_two_forwards, 3, checkpointing, timeout=300)
+    assert_exact_and_ordered(per_rank, f"two forwards, {checkpointing or 'no'} checkpointing, P=3")
+    assert per_rank[0]["backward_collectives"] > 0
 
 
 def unordered_row(rank: int, world_size: int) -> str:
@@ -158,3 +179,7 @@ def test_generated_rows_equal_stock_with_one_order_of_collectives(cp_size):
         assert_exact_and_ordered([res[i] for res in per_rank], f"seed {SWEEP_SEED}, P={cp_size}, {case}")
     layouts = {res[i]["ulysses"] for res in per_rank for i in range(len(SWEEP[cp_size]))}
     assert all(cp_size % u == 0 for u in layouts), layouts
+
+
+def test_the_sweep_runs_every_kind_of_checkpointing():
+    assert {case["checkpointing"] for cases in SWEEP.values() for case in cases} == {"", "reentrant", "non_reentrant"}
