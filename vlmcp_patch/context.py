@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .collectives import CollectiveOrder
+from .collectives.order import CollectiveOrder
 from .distributed import CPGroup, HybridGroups, gather_sequence, hybrid_groups
 from .flags import scoped
 from .layout import Segment, Split, VisionShare, cu_seqlens_of
@@ -196,7 +196,7 @@ class CPContext:
 
     @functools.cached_property
     def order(self) -> CollectiveOrder:
-        """The order of this forward's collectives (`collectives.py`): current while the backbone runs; the text
+        """The order of this forward's collectives (`collectives/order.py`): current while the backbone runs; the text
         decoder ties its last token into its output."""
         return CollectiveOrder(self.cp.group, self.cp.size)
 

@@ -28,7 +28,9 @@ import inspect
 
 import torch
 
-from ..collectives import all_to_all, run_ordered, site
+from ..collectives.differentiable import all_to_all
+from ..collectives.order import run_ordered
+from ..collectives.record import site
 from ..context import CPContext
 from ..errors import UnsupportedSetupError
 from ..patching import Patch, resolve
