@@ -1,4 +1,6 @@
-"""The package's modules import only downward: its import graph, read from the source, has no cycle.
+"""The package's modules import only downward: its import graph, read from the source, has no cycle, and every
+import goes to the importer's layer or one below it in the map of docs/design.md — whose lists of modules (one call's
+walk through `forward/`, the layers) are the tree's.
 
 Every `import` and `from ... import` counts, at module level and inside functions alike (a local import is an edge
 that only runs later, not a missing one). An edge goes to each module of the package that a statement names: the
@@ -9,10 +11,12 @@ before its modules, so importing a module is not an edge to the package that hol
 from __future__ import annotations
 
 import ast
+import re
 
 from tests.helpers.harness import ROOT
 
 PACKAGE = ROOT / "vlmcp_patch"
+DESIGN = ROOT / "docs" / "design.md"
 
 
 def module_names() -> dict[str, object]:
@@ -85,3 +89,41 @@ def test_a_cycle_is_found_where_there_is_one():
 def test_the_package_imports_without_a_cycle():
     cycle = a_cycle(import_graph())
     assert cycle is None, " -> ".join(cycle)
+
+
+def map_blocks() -> tuple[list[str], list[str]]:
+    """The two code blocks of design.md's map: one call's walk, the layers (their lines)."""
+    section = DESIGN.read_text().split("\n## Map\n", 1)[1].split("\n## ", 1)[0]
+    walk, layers = re.findall(r"```\n(.*?)```", section, flags=re.S)[:2]
+    return walk.splitlines(), layers.splitlines()
+
+
+def map_layers() -> list[list[str]]:
+    """The map's layers, top first: each the top-level modules and packages it names (`models/` -> "models")."""
+    return [[unit.strip().rstrip("/") for unit in line.split(None, 1)[1].split(",")] for line in map_blocks()[1]]
+
+
+def unit_of(module: str) -> str:
+    """The top-level module or package of the package that holds `module` ("__init__" for the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_the_maps_walk_names_every_module_of_the_forward():
+    walked = {line.split()[0] for line in map_blocks()[0] if line.startswith("forward/")}
+    tree = {f"forward/{p.name}" for p in (PACKAGE / "forward").glob("*.py") if p.name != "__init__.py"}
+    assert walked == tree
+
+
+def test_the_maps_layers_name_every_module_of_the_package_once():
+    named = [unit for layer in map_layers() for unit in layer]
+    tree = {"__main__" if p.stem == "__main__" else p.stem for p in PACKAGE.glob("*.py")}
+    tree |= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert sorted(named) == sorted(tree)
+
+
+def test_every_import_goes_to_the_importers_layer_or_below():
+    depth = {unit: i for i, layer in enumerate(map_layers()) for unit in layer}  # 0: the top
+    upward = sorted(f"{module} -> {target}" for module, targets in import_graph().items() for target in targets
+                    if depth[unit_of(target)] < depth[unit_of(module)])
+    assert upward == []
