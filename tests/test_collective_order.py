@@ -1,5 +1,5 @@
 """Nothing hangs: every rank of a CP group issues the same collectives in the same order, forward and backward,
-whatever its slice holds (`vlmcp_patch/collectives.py`).
+whatever its slice holds (`vlmcp_patch/collectives/order.py`).
 
 - Layouts that hung before the collectives were ordered — a padded batch whose second row starts on the first token
   of the ring's last chunk (P=3), rows ending with an image at P = 5, 6, 7 and 8 (Qwen3.5 and Qwen3-VL) — equal
@@ -70,7 +70,7 @@ def unordered_row(rank: int, world_size: int) -> str:
     chunks use no passed state skips the backward of the state's gather."""
     from tests.helpers.cases import build_batch
     from tests.helpers.order_cases import CONFIGS
-    from vlmcp_patch.collectives import CollectiveOrder
+    from vlmcp_patch.collectives.order import CollectiveOrder
     from vlmcp_patch.errors import CollectiveError
     from vlmcp_patch.fixtures.models import build_model
 
@@ -101,7 +101,8 @@ def collectives_at_different_sites(rank: int, world_size: int, checked_alone_fir
     sees the difference, also after a check without a group (a recomputed layer's own order checks so)."""
     import torch
 
-    from vlmcp_patch.collectives import all_gather_small, check_collectives, site
+    from vlmcp_patch.collectives.communication import all_gather_small, check_collectives
+    from vlmcp_patch.collectives.record import site
     from vlmcp_patch.distributed import get_cp_group
     from vlmcp_patch.errors import CollectiveError
 
@@ -134,7 +135,8 @@ def a_rank_that_never_arrives(rank: int, world_size: int, exchange: str) -> dict
     import torch
 
     from vlmcp_patch.attention.ring import _pass_on
-    from vlmcp_patch.collectives import all_to_all, site
+    from vlmcp_patch.collectives.differentiable import all_to_all
+    from vlmcp_patch.collectives.record import site
     from vlmcp_patch.distributed import get_cp_group, hybrid_groups
     from vlmcp_patch.errors import CollectiveError
 
@@ -152,7 +154,7 @@ def a_rank_that_never_arrives(rank: int, world_size: int, exchange: str) -> dict
             if exchange == "all-to-all":
                 all_to_all(torch.ones(1, 4, 2), 1, 2, cp.group, world_size)
             else:  # the pass is posted at once; its wait is where a missing peer shows
-                _pass_on([torch.ones(4)], ring).wait()
+                _pass_on([torch.ones(4)], ring, overlap=True).wait()
     except CollectiveError as error:
         return {"message": str(error), "seconds": time.monotonic() - start}
     return {"message": "", "seconds": time.monotonic() - start}

@@ -9,17 +9,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .collectives import gather_keep_local_grad, group_timeout
+from .collectives.communication import group_timeout
+from .collectives.differentiable import gather_keep_local_grad
 from .errors import UnsupportedSetupError
 from .grad_shares import shares_summed
 from .flags import BYPASS, scoped
+from .launcher import launch
 from .layout import hybrid_rank_lists, ulysses_degree
 from .patching import cp_size
 from .settings import SETTINGS
@@ -100,10 +100,8 @@ def launcher_node() -> dict:
     """What the launcher says about this process's node (torchrun / accelerate / deepspeed set these): ranks per node
     (`LOCAL_WORLD_SIZE`, None when not set), the node's index (`GROUP_RANK`, else None), and the host; with the
     Ulysses size this process was given (VLMCP_ULYSSES_SIZE, 0: automatic), which every rank must share too."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    group = os.environ.get("GROUP_RANK", "").strip()
-    return {"local_world_size": int(local) if local.isdigit() else None,
-            "group_rank": int(group) if group.isdigit() else None, "host": socket.gethostname(),
+    here = launch()
+    return {"local_world_size": here.local_world_size, "group_rank": here.group_rank, "host": here.host,
             "ulysses_size": SETTINGS.ulysses_size}
 
 

@@ -14,6 +14,7 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_ULYSSES_SIZE` | `ulysses_size` | auto | U of P = U x R: ranks per all-to-all subgroup, in a node |
 | `VLMCP_TIMEOUT` | `timeout` | the user's | seconds a collective of the CP groups may wait before it raises |
 | `VLMCP_DEBUG_COLLECTIVES` | `debug_collectives` | off | ranks compare their collectives after each forward and backward |
+| `VLMCP_RING_OVERLAP` | `ring_overlap` | on | a ring's passes run behind its blocks' compute (off: each waited where it starts) |
 | `VLMCP_DISABLE` | (`revert()`) | off | nothing is patched; every helper reports P=1 |
 """
 
@@ -73,8 +74,12 @@ class Settings:
     # Seconds a collective of the CP groups waits for the other ranks before it raises (0: the timeout the user gave
     # the default group). Read when the groups are created.
     timeout: float = 0
-    # Every rank records its CP collectives; the ranks compare them after each forward and backward (collectives.py).
+    # Every rank records its CP collectives; the ranks compare them after each forward and backward
+    # (collectives/communication.py).
     debug_collectives: bool = False
+    # A ring's passes run behind the compute of its blocks (off: each pass waits where it starts, the schedule before
+    # the overlap, which benchmarks/ring_overlap.py compares). Read by each ring attention call.
+    ring_overlap: bool = True
 
     def validate(self) -> None:
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
@@ -101,6 +106,7 @@ def _from_environment() -> Settings:
         ulysses_size=env_int("VLMCP_ULYSSES_SIZE", 0),
         timeout=env_float("VLMCP_TIMEOUT", 0),
         debug_collectives=env_flag("VLMCP_DEBUG_COLLECTIVES"),
+        ring_overlap=env_flag("VLMCP_RING_OVERLAP", True),
     )
     settings.validate()
     return settings
@@ -120,6 +126,7 @@ def enable(
     ulysses_size: int | None = None,
     timeout: float | None = None,
     debug_collectives: bool | None = None,
+    ring_overlap: bool | None = None,
 ) -> Settings:
     """Change the settings for every following forward; arguments left out keep their value.
 
@@ -135,6 +142,7 @@ def enable(
         "ulysses_size": ulysses_size,
         "timeout": timeout,
         "debug_collectives": debug_collectives,
+        "ring_overlap": ring_overlap,
     }
     new = dataclasses.replace(SETTINGS, **{k: v for k, v in given.items() if v is not None})
     new.validate()

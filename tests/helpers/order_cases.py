@@ -57,7 +57,7 @@ FIXED = {
 
 
 def _sequence_digest() -> tuple[int, int]:
-    from vlmcp_patch.collectives import collective_log
+    from vlmcp_patch.collectives.record import collective_log
 
     records = [str(r) for r in collective_log().records]
     return len(records), zlib.crc32("\n".join(records).encode())
@@ -66,7 +66,7 @@ def _sequence_digest() -> tuple[int, int]:
 def _run(model, layout, world_size: int, packed: bool) -> dict:
     from tests.helpers.packing_cases import compare_packed
     from tests.helpers.parity import compare
-    from vlmcp_patch.collectives import collective_log
+    from vlmcp_patch.collectives.record import collective_log
 
     import vlmcp_patch
 
@@ -187,7 +187,7 @@ def run_two_forwards(rank: int, world_size: int, checkpointing: str = "") -> dic
     later forward first, on every rank (they are created later, and none waits for the earlier forward's). Against
     stock, with the ranks' collectives compared after the backward (`VLMCP_DEBUG_COLLECTIVES=1`) and here."""
     import vlmcp_patch
-    from vlmcp_patch.collectives import collective_log
+    from vlmcp_patch.collectives.record import collective_log
     from vlmcp_patch.fixtures.compare import gradient_errors, rel_err, summed_over_group
 
     model = _model("qwen3_5_text", checkpointing)

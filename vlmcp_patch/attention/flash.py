@@ -28,7 +28,10 @@ import inspect
 
 import torch
 
-from ..collectives import all_gather_small, all_to_all, run_ordered, site
+from ..collectives.communication import all_gather_small
+from ..collectives.differentiable import all_to_all
+from ..collectives.order import run_ordered
+from ..collectives.record import site
 from ..context import CPContext
 from ..errors import UnsupportedSetupError
 from ..patching import Patch, resolve

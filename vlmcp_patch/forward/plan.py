@@ -31,7 +31,7 @@ from ..distributed import SINGLE_RANK, CPGroup
 from ..errors import Problem
 from ..layout import Segment, Split, VisionShare
 from ..settings import SETTINGS
-from .batch import is_packed_row, read_batch, stock_gets_packed_row_right
+from .batch import read_batch
 from .positions import BY_CALLER, positions_of
 from .refusals import first_refusal
 
@@ -72,15 +72,13 @@ def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False) ->
     """The plan of one forward of `model` on `call` in the CP group `cp` (None: CP off). `always`: take the
     package's path at P=1 even for a batch stock gets right (`token_log_probs`). Never raises for the batch: a
     refusal is part of the plan."""
-    # 1. The path: stock, unless CP is on or this is a packed row stock would get wrong.
-    packed = is_packed_row(call)
-    if cp is None:
-        if not (always or (packed and not stock_gets_packed_row_right(model, call))):
-            return ForwardPlan(STOCK)
-        cp = SINGLE_RANK
-    path = CP if cp.size > 1 else AT_P1
-    # 2. The batch, read once; the rules judge the reading; the positions (stock may refuse on the way).
-    reading = read_batch(model, call, packed)
+    # 1. The batch, read once; the path: stock, unless CP is on or this is a packed row stock would get wrong.
+    reading = read_batch(model, call, stock_allowed=cp is None and not always)
+    if reading.stock_gets_it_right:
+        return ForwardPlan(STOCK)
+    cp = cp or SINGLE_RANK
+    path, packed = CP if cp.size > 1 else AT_P1, reading.packed
+    # 2. The rules judge the reading; the positions (stock may refuse on the way).
     refusal = first_refusal(model, cp, call, reading, packed)
     if refusal is None:
         try:

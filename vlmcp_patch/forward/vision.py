@@ -39,7 +39,8 @@ import sys
 
 import torch
 
-from ..collectives import exchange_rows, site
+from ..collectives.differentiable import exchange_rows
+from ..collectives.record import site
 from ..context import CTX_KWARG, CPContext, current_cp_forward
 from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
