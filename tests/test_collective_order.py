@@ -108,8 +108,8 @@ def collectives_at_different_sites(rank: int, world_size: int, checked_alone_fir
 
     import vlmcp_patch
 
+    group = get_cp_group(world_size).group  # created before recording: the test counts its own collectives
     vlmcp_patch.enable(debug_collectives=True)
-    group = get_cp_group(world_size).group
     with site("layer 1"):
         all_gather_small(torch.ones(2), group, world_size)
     with site("layer 2" if rank == 0 else "layer 3"):
@@ -168,6 +168,47 @@ def test_a_collective_that_never_completes_raises_naming_it(exchange, group):
     assert waited["seconds"] < 7, waited
 
 
+def failures_of_this_rank(rank: int, world_size: int) -> dict:
+    """Failures that are this rank's own, inside a CP collective: what each raises."""
+    import torch
+    import torch.distributed as dist
+
+    from vlmcp_patch.collectives.communication import communicate
+    from vlmcp_patch.collectives.differentiable import exchange_rows
+    from vlmcp_patch.collectives.record import site
+    from vlmcp_patch.distributed import get_cp_group
+
+    group, seen = get_cp_group(world_size).group, {}
+
+    def out_of_memory():  # what the CUDA caching allocator raises inside a collective; none can be had on CPU
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    def bad_splits():  # refused by gloo itself, on this rank, before it sends anything
+        dist.all_to_all_single(torch.empty(4), torch.ones(4), [3, 3], [2, 2], group=group)
+
+    with site("Qwen3VLTextAttention of layer 7"):
+        for name, attempt in (("oom", lambda: communicate("all-to-all", group, 8, out_of_memory)),
+                              ("splits", lambda: communicate("uneven all-to-all (rows)", group, 1, bad_splits)),
+                              ("rows", lambda: exchange_rows(torch.ones(3, 2), [2, 2], [2, 2], group))):
+            try:
+                attempt()
+            except Exception as error:  # noqa: BLE001 - the test reads it
+                seen[name] = (type(error).__name__, str(error))
+    dist.barrier(group=group)  # the group still works: nothing was left half-done
+    return seen
+
+
+def test_a_failure_of_this_rank_names_itself_not_a_peer():
+    for seen in run_distributed(failures_of_this_rank, 2, timeout=60):
+        kind, message = seen["oom"]
+        assert kind == "OutOfMemoryError" and "out of memory on global rank" in message, seen["oom"]
+        assert "Qwen3VLTextAttention of layer 7" in message and "Another rank" not in message, message
+        kind, message = seen["splits"]
+        assert kind == "CollectiveError" and "itself" in message and "Another rank" not in message, seen["splits"]
+        kind, message = seen["rows"]
+        assert kind == "ValueError" and "send counts [2, 2] that add up to 4" in message, seen["rows"]
+
+
 SWEEP_SEED = int(os.environ.get("VLMCP_SWEEP_SEED", "34"))
 SWEEP = draw_sweep(SWEEP_SEED, sizes=list(range(2, 9)), per_size=4)
 
@@ -185,3 +226,21 @@ def test_generated_rows_equal_stock_with_one_order_of_collectives(cp_size):
 
 def test_the_sweep_runs_every_kind_of_checkpointing():
     assert {case["checkpointing"] for cases in SWEEP.values() for case in cases} == {"", "reentrant", "non_reentrant"}
+
+
+def test_the_tie_adds_no_copy_of_the_hidden_states():
+    """The decoder's output tied to the order's last token is a view of it: no second (local, hidden) tensor alive
+    until backward; backward passes its gradient through and a zero to the token."""
+    import torch
+
+    from vlmcp_patch.collectives.order import CollectiveOrder
+
+    order = CollectiveOrder()
+    order.token = torch.zeros((), requires_grad=True)
+    hidden = torch.randn(1, 64, 32, requires_grad=True)
+    tied = order.tie(hidden)
+    assert tied.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
+    assert tied.grad_fn is not None and order.token is None  # the token is spent: the next forward starts its own
+    weights = torch.randn(1, 64, 32)
+    (tied * weights).sum().backward()
+    assert torch.equal(hidden.grad, weights)

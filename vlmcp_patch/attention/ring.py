@@ -204,31 +204,42 @@ class _RingAttention(torch.autograd.Function):
         before the block is computed), and the gradients of the keys a member holds follow one step behind — they
         arrive while it computes its block and leave, with its share added, for the next member, reaching their
         owner after R passes. Every member issues the same passes in the same order: keys 0, gradients 0, keys 1,
-        gradients 1, ..., keys R-2, gradients R-2, gradients R-1."""
+        gradients 1, ..., keys R-2, gradients R-2, gradients R-1.
+
+        Only what an input needs runs (which inputs need a gradient follows from which parameters train, the same on
+        every member): nothing when none does (a frozen layer), no gradient ring when only q does (LoRA on the query
+        projection alone)."""
         q, k, v, out, lse = ctx.saved_tensors
         shares, peers, scale = ctx.shares, ctx.peers, ctx.scale
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        want_q, want_kv = ctx.needs_input_grad[0], any(ctx.needs_input_grad[1:3])
+        nothing = (None,) * 9
+        if not (want_q or want_kv):
+            return (*nothing, token_grad(ctx, grad_token))
+        dq = torch.zeros_like(q, dtype=torch.float32) if want_q else None
         held_k, held_v = k, v
+        held_dk = held_dv = None
         gradients = None  # the pass bringing the gradients of the keys held, summed over the members before
         for step in range(peers.size):
             owner = (peers.index - step) % peers.size
             incoming = _pass_on([held_k, held_v], peers, ctx.overlap) if step < peers.size - 1 else None
             dq_b, dk_b, dv_b = ctx.kernel.backward(dout, q, held_k, held_v, out, lse,
                                                    shares.block(peers.index, owner), scale)
-            dq += dq_b
-            held_dk, held_dv = dk_b.float(), dv_b.float()
-            if gradients is not None:
-                before_dk, before_dv = gradients.wait()
-                held_dk, held_dv = held_dk + before_dk, held_dv + before_dv
+            if want_q:
+                dq += dq_b
+            if want_kv:
+                held_dk, held_dv = dk_b.float(), dv_b.float()
+                if gradients is not None:
+                    before_dk, before_dv = gradients.wait()
+                    held_dk, held_dv = held_dk + before_dk, held_dv + before_dv
             if incoming is not None:
                 held_k, held_v = incoming.wait()
-            if peers.size == 1:
-                break
-            gradients = _pass_on([held_dk, held_dv], peers, ctx.overlap, GRADIENTS)
+            if want_kv and peers.size > 1:
+                gradients = _pass_on([held_dk, held_dv], peers, ctx.overlap, GRADIENTS)
         if gradients is not None:  # the last pass brought this member's own keys' gradients back
             held_dk, held_dv = gradients.wait()
-        return (dq.to(q.dtype), held_dk.to(k.dtype), held_dv.to(v.dtype), None, None, None, None, None, None,
-                token_grad(ctx, grad_token))
+        grads = (None if dq is None else dq.to(q.dtype), None if held_dk is None else held_dk.to(k.dtype),
+                 None if held_dv is None else held_dv.to(v.dtype))
+        return (*grads, *nothing[3:], token_grad(ctx, grad_token))
 
 
 def ring_attention(q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn=merge,

@@ -1,9 +1,11 @@
 """Every communication of the CP groups, its failures made errors, and the ranks' debug comparison.
 
-**Failures become errors.** Every communication goes through `communicate`: a backend error or a collective that
-does not complete within the CP groups' timeout (`VLMCP_TIMEOUT`, else the user's) raises `CollectiveError` naming
-the collective, the layer (`record.site`) and the phase, on every rank that can raise. A wait for a communication
-started earlier (a ring pass) goes through `raising`.
+**Failures become errors that name their cause.** Every communication goes through `communicate`: a collective that
+does not complete within the CP groups' timeout (`VLMCP_TIMEOUT`, else the user's), or whose peer failed, raises
+`CollectiveError` naming the collective, the layer (`record.site`) and the phase, on every rank that can raise; an
+out-of-memory stays `torch.OutOfMemoryError`, naming the site, on the rank where it happened; what torch.distributed
+refuses of this rank's own arguments reads as this rank's error. A wait for a communication started earlier (a ring
+pass) goes through `raising`.
 
 **A check that sees order.** With `VLMCP_DEBUG_COLLECTIVES=1`, `communicate` records each collective in this rank's
 `record.CollectiveLog`; `check_collectives` (after each CP forward and each backward) compares what the ranks
@@ -31,18 +33,47 @@ def communicate(op: str, group, count: int, run):
     return raising(op, group, run)
 
 
+# What gloo and NCCL say when the other side of a collective is gone or late (gloo raises them as plain RuntimeErrors;
+# NCCL as DistBackendError): a peer's absence or failure. Anything else a collective raises is this rank's own.
+_PEER_SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "pair closure", "closed by peer",
+               "broken pipe", "aborted", "peer", "ncclremoteerror", "socket")
+
+
+def _a_peers_doing(error: RuntimeError) -> bool:
+    if isinstance(error, (dist.DistBackendError, getattr(dist, "DistNetworkError", dist.DistBackendError))):
+        return True
+    text = str(error).lower()
+    return any(sign in text for sign in _PEER_SIGNS)
+
+
 def raising(op: str, group, run):
-    """`run()`, a backend error or timeout raised as `CollectiveError` naming the communication `op` (not recorded:
-    the wait of a communication `communicate` started)."""
+    """`run()`, its failure raised as what it is, naming the communication `op`, its group, the site and the phase
+    (not recorded: the wait of a communication `communicate` started):
+
+    - out of memory on this rank: `torch.OutOfMemoryError`, as torch raises it, with the site;
+    - a peer that failed, exited or did not arrive within the timeout (module docstring): `CollectiveError` saying so;
+    - anything else (a split or shape this rank gave that torch.distributed refuses): `CollectiveError` naming it as
+      this rank's own error — no peer is to blame."""
     try:
         return run()
-    except RuntimeError as error:  # gloo's and NCCL's errors (DistBackendError is one), timeouts included
+    except torch.OutOfMemoryError as error:
+        raise torch.OutOfMemoryError(
+            f"vlmcp-patch: out of memory on global rank {dist.get_rank()} in the {op} over the {group_name(group)} "
+            f"group at {current_site() or 'the CP forward'} ({phase()}): {error}"
+        ) from error
+    except RuntimeError as error:
+        where = f"the {op} over the {group_name(group)} group at {current_site() or 'the CP forward'} ({phase()})"
+        if not _a_peers_doing(error):
+            raise CollectiveError(
+                f"vlmcp-patch: {where} failed on global rank {dist.get_rank()} itself: {error}. torch.distributed "
+                "refused what this rank gave it (its sizes or splits), before any other rank was involved; please "
+                "report this with the batch's layout."
+            ) from error
         raise CollectiveError(
-            f"vlmcp-patch: the {op} over the {group_name(group)} group at {current_site() or 'the CP forward'} "
-            f"({phase()}) did not complete on global rank {dist.get_rank()}: {error}. Another rank of the group "
-            "failed, exited or did not reach the same collective within the CP groups' timeout (VLMCP_TIMEOUT, or "
-            "the timeout given to init_process_group). VLMCP_DEBUG_COLLECTIVES=1 compares every rank's collectives "
-            "after each forward and backward."
+            f"vlmcp-patch: {where} did not complete on global rank {dist.get_rank()}: {error}. Another rank of the "
+            "group failed, exited or did not reach the same collective within the CP groups' timeout (VLMCP_TIMEOUT, "
+            "or the timeout given to init_process_group). VLMCP_DEBUG_COLLECTIVES=1 compares every rank's "
+            "collectives after each forward and backward."
         ) from error
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .communication import all_gather_along, communicate, torch_collective
 from .order import differentiable_like_input, new_token, ordered, remember_order, token_grad
-from .record import site
+from .record import current_site, site
 from ..grad_shares import shares_of
 
 
@@ -174,6 +174,9 @@ class _ExchangeRows(torch.autograd.Function):
 
 
 def _exchange_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    if sum(send_counts) != x.shape[0]:  # this rank's own mistake: named here, before any rank waits for it
+        raise ValueError(f"vlmcp-patch: the uneven all-to-all at {current_site() or 'the CP forward'} was given "
+                         f"{x.shape[0]} rows to send but send counts {send_counts} that add up to {sum(send_counts)}")
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     width = math.prod(x.shape[1:])
     communicate("uneven all-to-all (rows)", group, width,

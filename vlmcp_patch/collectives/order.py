@@ -9,7 +9,7 @@ things (a rank whose DeltaNet chunk starts a new sample does not use the state p
 tokens does not use the features routed to it). So:
 
 1. every differentiable collective of a CP forward takes the forward's *order token* (a zero scalar) as an input
-   and returns a new one (`ordered`); the text decoder adds the last token (+0.0, exact) to its output
+   and returns a new one (`ordered`); the text decoder adds the last token (a view: exact, no copy) to its output
    (`CollectiveOrder.tie`). Each collective's backward is then reachable from the loss on every rank — its result
    always enters the graph, with a zero gradient where nothing else used it — and
 2. it cannot run before the collective issued after it has run its backward (it waits for the token's gradient):
@@ -48,8 +48,8 @@ class CollectiveOrder:
         return reset_on_exit(_ORDER, _ORDER.set(self))
 
     def tie(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` (+0.0) depending on the last token: every collective before it runs its backward, in order, once the
-        gradient of `x` arrives. Without a token (no differentiable collective, or no grad) `x` itself."""
+        """`x` (a view of it) depending on the last token: every collective before it runs its backward, in order, once
+        the gradient of `x` arrives. Without a token (no differentiable collective, or no grad) `x` itself."""
         if self.token is None or not torch.is_grad_enabled():
             return x
         token, self.token = self.token, None
@@ -60,20 +60,22 @@ class CollectiveOrder:
 
 
 class _Tie(torch.autograd.Function):
-    """x + 0 that depends on the order's last token: backward passes the gradient of x through and a zero gradient
-    to the token, and (debug mode) compares the ranks' backward collectives once the whole backward is done."""
+    """x, depending on the order's last token: a view of x (no copy of the hidden states); backward passes the
+    gradient of x through and a zero gradient to the token, on the token's device (a model spread over devices by
+    `device_map` may end elsewhere than its first collective ran), and (debug mode) compares the ranks' backward
+    collectives once the whole backward is done."""
 
     @staticmethod
     def forward(ctx, x, token, order: CollectiveOrder):
-        ctx.order = order
-        return x.clone()
+        ctx.order, ctx.token_device = order, token.device
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         if SETTINGS.debug_collectives:
             order = ctx.order
             torch.autograd.Variable._execution_engine.queue_callback(lambda: order.check("in backward"))
-        return grad, torch.zeros((), dtype=torch.float32, device=grad.device), None
+        return grad, torch.zeros((), dtype=torch.float32, device=ctx.token_device), None
 
 
 def ordered(function: type[torch.autograd.Function], *args):

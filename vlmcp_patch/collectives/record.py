@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -48,8 +49,9 @@ def reset_on_exit(var: contextvars.ContextVar, token):
 
 
 def group_name(group) -> str:
-    """The group's role (`distributed` creates them with a description: cp, ulysses, ring) and its size."""
-    role = getattr(group, "group_desc", None) or "group"
+    """The group's role (`distributed` creates them with a description: cp, ulysses, ring; None: the default group,
+    the world) and its size."""
+    role = "world" if group is None else getattr(group, "group_desc", None) or "group"
     return f"{role}[{dist.get_world_size(group)}]"
 
 
@@ -74,19 +76,26 @@ class Record:
 
 @dataclass
 class CollectiveLog:
-    """This rank's collectives since the ranks last compared them (`VLMCP_DEBUG_COLLECTIVES=1`)."""
+    """This rank's collectives the ranks have not compared yet (`VLMCP_DEBUG_COLLECTIVES=1`), and a count and digest of
+    all it issued since `reset`. A comparison takes the pending records away: a long run keeps only those."""
 
-    records: list[Record] = field(default_factory=list)
-    compared: int = 0  # how many records the ranks have agreed on so far
+    pending: list[Record] = field(default_factory=list)
+    issued: dict[str, int] = field(default_factory=dict)  # per phase: how many collectives since `reset`
+    digest: int = 0  # crc32 of every record's text in order since `reset`: equal on ranks that issued the same
 
     def add(self, record: Record) -> None:
-        self.records.append(record)
+        self.pending.append(record)
+        self.issued[record.phase] = self.issued.get(record.phase, 0) + 1
+        self.digest = zlib.crc32(f"{record}\n".encode(), self.digest)
 
     def take_pending(self) -> list[str]:
-        """The records since the last comparison, as text, now counted as compared."""
-        pending = [str(r) for r in self.records[self.compared :]]
-        self.compared = len(self.records)
+        """The records since the last comparison, as text; the log keeps none of them."""
+        pending, self.pending = [str(r) for r in self.pending], []
         return pending
+
+    def reset(self) -> None:
+        """Forget everything (a test's fresh start)."""
+        self.pending, self.issued, self.digest = [], {}, 0
 
 
 def first_difference(sequences: list[list[str]], when: str) -> str:
