@@ -14,7 +14,7 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_ULYSSES_SIZE` | `ulysses_size` | auto | U of P = U x R: ranks per all-to-all subgroup, in a node |
 | `VLMCP_TIMEOUT` | `timeout` | the user's | seconds a collective of the CP groups may wait before it raises |
 | `VLMCP_DEBUG_COLLECTIVES` | `debug_collectives` | off | ranks compare their collectives after each forward and backward |
-| `VLMCP_RING_OVERLAP` | `ring_overlap` | on | a ring's passes run behind its blocks' compute (off: each waited where it starts) |
+| `VLMCP_RING_OVERLAP` | `ring_overlap` | on | a ring's passes run behind its blocks' compute |
 | `VLMCP_DISABLE` | (`revert()`) | off | nothing is patched; every helper reports P=1 |
 """
 
