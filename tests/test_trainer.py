@@ -100,6 +100,19 @@ def test_ddp_cp2_equals_p1(model, launcher, once):
 
 
 @INTEGRATION
+def test_batches_without_a_labelled_token_leave_the_weights_as_stock_does():
+    """Every sample's answer cut away: the Trainer's num_items_in_batch is 0 at every step, the loss NaN and the
+    gradients zero, as stock gives them — the weights stay what they were, finite, under CP=2 as in one process (before
+    the fix, CP's NaN gradients turned every weight into NaN at the first step)."""
+    cut = ["--answers-cut"]
+    reference, run = _launch("p1-cut", 1, 1, VL, cut), _launch("ddp-cut", 2, 2, VL, cut)
+    assert run.wrapper == "DDP"
+    assert all(bool(torch.isfinite(w).all()) for w in run.weights.values() if w.is_floating_point())
+    assert state_dict_error(run.weights, reference.weights) == 0.0
+    assert len(run.train) == len(reference.train) == 3
+
+
+@INTEGRATION
 def test_stock_ddp_on_two_processes_shards_the_data(once):
     run = _launch("ddp-stock", 2, 1, VL)
     assert run.wrapper == "DDP" and state_dict_error(run.weights, once(p1, VL).weights) > 1e-2
