@@ -1,6 +1,6 @@
 """A long CP training loop, inside the spawned ranks: a new batch every step (padded and packed, zero to three images
 or a video), the debug switch on and off in turns, against one process's training of the same batches. It reports
-the losses' largest relative difference, and the resident memory and live tensors at step `WARM` and at the end."""
+the losses' largest relative difference, and the resident memory and live tensors every `WARM` steps."""
 
 from __future__ import annotations
 
@@ -73,9 +73,10 @@ def run_soak(rank: int, world_size: int, config: str, steps: int) -> dict:
         ref_optimizer.zero_grad(set_to_none=True)
         worst = max(worst, abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)))
         del loss, ref_loss, batch
-        if step + 1 in (WARM, steps):
+        if (step + 1) % WARM == 0 or step + 1 == steps:
             measured[step + 1] = {"resident": _resident_bytes(), "tensors": _live_tensors()}
     from vlmcp_patch.collectives.record import collective_log
 
     return {"loss_err": worst, "warm": measured[WARM], "end": measured[steps],
+            "resident_mib": [round(m["resident"] / 2**20, 1) for m in measured.values()],
             "debug_records": len(collective_log().pending), "issued": sum(collective_log().issued.values())}
