@@ -3,7 +3,7 @@ proportions, on a packed row of a given length: the step's peak and the longest 
 
     python -m benchmarks.memory [--model qwen3-vl|qwen3.5] [--sample text-heavy|image-heavy|video]
         [--tokens 8192] [--layers 12] [--scale 16] [--gradient-checkpointing] [--sizes 1 2 4 8] [--step sft|grpo]
-        [--stock] [--heads 4] [--loops host device]
+        [--stock] [--heads 4] [--loops host device] [--mlp-tile-tokens auto|0|N]
     python -m benchmarks.memory --longest 400 [--sample ...] [--gradient-checkpointing]   # MiB per rank
 
 The model has the released model's vocabulary, heads and widths divided by `--scale` (1: the released widths;
@@ -148,7 +148,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, s
     batch = row_of(args.sample, tokens, model.config.vision_config.patch_size, args.dry_run)
     if stock:
         vlmcp_patch.revert()
-    vlmcp_patch.enable(cp_size=world_size)
+    vlmcp_patch.enable(cp_size=world_size, mlp_tile_tokens=args.mlp_tile_tokens)
     results = {}
     for loop in args.loops:
         model.zero_grad(set_to_none=True)  # each loop's step allocates its gradients anew
@@ -352,6 +352,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS,
                         help="host: the integrations' loop, pixel values on the host under CP; device: the whole "
                         "batch moved to the device by the caller (module docstring)")
+    parser.add_argument("--mlp-tile-tokens", default="auto", type=lambda v: v if v == "auto" else int(v),
+                        help="tokens per tile of the MLPs under CP (auto, or 0: untiled; VLMCP_MLP_TILE_TOKENS)")
     parser.add_argument("--dry-run", action="store_true", help="the tiny test models on short rows")
     return parser
 

@@ -32,7 +32,7 @@ from ..context import CTX_KWARG, CPContext
 from ..forward.arguments import call_arguments
 from ..patching import Patch, source_digest
 from ..supported import Family, register
-from .base import ImageFeatures, family_patches
+from .base import ImageFeatures, MLPs, family_patches, mlp_patches
 from .deltanet_ring import conv_over_ring, delta_rule_over_ring
 
 
@@ -325,10 +325,18 @@ def cp_gated_deltanet_forward(wrapped, instance, args, kwargs):
         return run_ordered(gated_deltanet_over_cp, instance, call["hidden_states"], call[CTX_KWARG])
 
 
+# The MLPs that run in sequence tiles under CP (`tiles.py`), per family: Qwen3.5-MoE's gated MLP is its shared expert.
+MLP_CLASSES = {
+    "qwen3_5": MLPs(gated=("Qwen3_5MLP",), vision=("Qwen3_5VisionMLP",)),
+    "qwen3_5_moe": MLPs(gated=("Qwen3_5MoeMLP",), vision=("Qwen3_5MoeVisionMLP",), experts=("Qwen3_5MoeExperts",)),
+}
+
+
 def patches() -> list[Patch]:
     out = []
     for family in FAMILIES:
         out += family_patches(family, TEXT_MODEL_PARAMS, IMAGE_FEATURES)
+        out += mlp_patches(family, MLP_CLASSES[family.name])
         prefix = family.text_model.removesuffix("TextModel")
         out.append(
             Patch(

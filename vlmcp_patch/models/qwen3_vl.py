@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..patching import Patch
 from ..supported import Family, register
-from .base import ImageFeatures, family_patches
+from .base import ImageFeatures, MLPs, family_patches, mlp_patches
 
 FAMILIES = register(
     Family("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "Qwen3VLTextModel", "Qwen3VLModel", "Qwen3VLVisionModel"),
@@ -33,5 +33,17 @@ IMAGE_FEATURES = ImageFeatures(
 )
 
 
+# The MLPs that run in sequence tiles under CP (`tiles.py`), per family.
+MLP_CLASSES = {
+    "qwen3_vl": MLPs(gated=("Qwen3VLTextMLP",), vision=("Qwen3VLVisionMLP",)),
+    "qwen3_vl_moe": MLPs(gated=("Qwen3VLMoeTextMLP",), vision=("Qwen3VLMoeVisionMLP",),
+                         experts=("Qwen3VLMoeTextExperts",)),
+}
+
+
 def patches() -> list[Patch]:
-    return [patch for family in FAMILIES for patch in family_patches(family, TEXT_MODEL_PARAMS, IMAGE_FEATURES)]
+    return [
+        patch for family in FAMILIES
+        for patch in [*family_patches(family, TEXT_MODEL_PARAMS, IMAGE_FEATURES),
+                      *mlp_patches(family, MLP_CLASSES[family.name])]
+    ]
