@@ -13,6 +13,7 @@ from ..forward.unverified import unverified_guard
 from ..forward.vision import cp_image_features, cp_video_features
 from ..patching import Patch, source_digest
 from ..supported import Family
+from ..offload import offloaded_checkpoint_call
 from ..tiles import tiled_experts_forward, tiled_mlp
 
 TOP_LEVEL_PARAMS = ("input_ids", "attention_mask", "position_ids", CACHE_KEYWORDS, "labels", "logits_to_keep")
@@ -85,6 +86,22 @@ def mlp_patches(family: Family, mlps: MLPs) -> list[Patch]:
         Patch(target=family.target(cls, "forward"), wrapper=wrapper, reason=_TILES_REASON, expects=expects,
               family=family.name)
         for cls, wrapper, expects in dense + experts
+    ]
+
+
+def offload_patches(family: Family, checkpointed: tuple[str, ...]) -> list[Patch]:
+    """The patches that keep the checkpoints of `family`'s decoder layers and vision blocks (transformers'
+    `GradientCheckpointingLayer`s) on the host with `VLMCP_OFFLOAD_CHECKPOINTS` (`offload.py`). `__call__`, not
+    `forward`: transformers checkpoints the outermost `forward` of the class, and module hooks stay outside."""
+    return [
+        Patch(
+            target=family.target(cls, "__call__"),
+            wrapper=offloaded_checkpoint_call,
+            reason="with VLMCP_OFFLOAD_CHECKPOINTS: the input gradient checkpointing saves for this layer waits in a "
+            "host pool between forward and backward (copies on a side stream, prefetched in backward)",
+            family=family.name,
+        )
+        for cls in checkpointed
     ]
 
 

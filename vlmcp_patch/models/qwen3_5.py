@@ -30,9 +30,10 @@ from ..attention.heads import BSHD, kv_replication
 from ..collectives import all_to_all, module_site, run_ordered, site
 from ..context import CTX_KWARG, CPContext
 from ..forward.arguments import call_arguments
+from ..offload import foreign_offload_problem
 from ..patching import Patch, source_digest
 from ..supported import Family, register
-from .base import ImageFeatures, MLPs, family_patches, mlp_patches
+from .base import ImageFeatures, MLPs, family_patches, mlp_patches, offload_patches
 from .deltanet_ring import conv_over_ring, delta_rule_over_ring
 
 
@@ -78,14 +79,20 @@ def kernelized_layer_problem(model) -> str | None:
     return None
 
 
+def cp_problem(model) -> str | None:
+    """What Qwen3.5 cannot run on the package's path: a kernelized DeltaNet layer, or checkpoint offload that is not
+    the package's (`offload.foreign_offload_problem`)."""
+    return kernelized_layer_problem(model) or foreign_offload_problem(model)
+
+
 FAMILIES = register(
     Family(
         "qwen3_5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"), "Qwen3_5TextModel", "Qwen3_5Model",
-        "Qwen3_5VisionModel", cp_check=kernelized_layer_problem,
+        "Qwen3_5VisionModel", cp_check=cp_problem,
     ),
     Family(
         "qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), "Qwen3_5MoeTextModel",
-        "Qwen3_5MoeModel", "Qwen3_5MoeVisionModel", cp_check=kernelized_layer_problem,
+        "Qwen3_5MoeModel", "Qwen3_5MoeVisionModel", cp_check=cp_problem,
     ),
 )
 TEXT_MODEL_PARAMS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "use_cache")
@@ -332,11 +339,19 @@ MLP_CLASSES = {
 }
 
 
+# The decoder layers and vision blocks whose checkpoints VLMCP_OFFLOAD_CHECKPOINTS keeps on the host (`offload.py`).
+CHECKPOINTED_LAYERS = {
+    "qwen3_5": ("Qwen3_5DecoderLayer", "Qwen3_5VisionBlock"),
+    "qwen3_5_moe": ("Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"),
+}
+
+
 def patches() -> list[Patch]:
     out = []
     for family in FAMILIES:
         out += family_patches(family, TEXT_MODEL_PARAMS, IMAGE_FEATURES)
         out += mlp_patches(family, MLP_CLASSES[family.name])
+        out += offload_patches(family, CHECKPOINTED_LAYERS[family.name])
         prefix = family.text_model.removesuffix("TextModel")
         out.append(
             Patch(
