@@ -84,3 +84,21 @@ def test_tiles_sum_each_parameter_gradient_before_delivering_it():
 ])
 def test_tile_size(tokens, configured, expected):
     assert tile_tokens(tokens, hidden_size=1024, intermediate_width=4 * 3072, configured=configured) == expected
+
+
+def test_a_zero3_mlp_gathering_child_by_child_runs_untiled_unless_it_is_a_leaf():
+    """Under ZeRO-3 each child Linear of an MLP gathers its weight at its own call: tiles would issue one gather per
+    tile, differing between ranks. Such an MLP runs whole; made a ZeRO-3 leaf (what the package's DeepSpeed
+    integration does before `deepspeed.initialize`) it is tiled."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextMLP
+
+    from vlmcp_patch.fixtures.models import tiny_qwen3_vl_config
+    from vlmcp_patch.tiles import _zero3_gathers_per_child_call, gather_whole_mlps_under_zero3
+
+    mlp = Qwen3VLTextMLP(tiny_qwen3_vl_config().text_config)
+    assert not _zero3_gathers_per_child_call(mlp)
+    for i, p in enumerate(mlp.parameters()):
+        p.ds_id = i  # as ZeRO-3 partitions them
+    assert _zero3_gathers_per_child_call(mlp)
+    gather_whole_mlps_under_zero3(torch.nn.Sequential(mlp))
+    assert mlp._z3_leaf and not _zero3_gathers_per_child_call(mlp)

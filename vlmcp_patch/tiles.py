@@ -61,6 +61,12 @@ class TileCounts:
         self.calls = self.forward_tiles = self.backward_tiles = 0
         return out
 
+    def facts(self) -> dict:
+        """`VLMCPCallback`'s log entry (the tiles per tiled MLP call since the last log; none when nothing was tiled),
+        and a fresh count."""
+        counts = self.drain()
+        return {"cp_mlp_tiles_per_call": counts["forward_tiles"] / counts["calls"]} if counts["calls"] else {}
+
 
 TILES = TileCounts()
 
@@ -131,10 +137,34 @@ def run_in_tiles(fn: Callable, tiled: Sequence[torch.Tensor], module: torch.nn.M
     when the tokens make one tile (the caller then runs its stock forward)."""
     tokens = tiled[0].shape[0]
     size = tile_tokens(tokens, hidden_size, intermediate_width, SETTINGS.mlp_tile_tokens)
-    if size >= tokens:
+    if size >= tokens or _zero3_gathers_per_child_call(module):
         return None
     params = [p for p in module.parameters() if p.requires_grad]
     return TokenwiseTiles.apply(fn, tile_bounds(tokens, size), len(tiled), *tiled, *params)
+
+
+# The dense MLP classes the families tile (`models/base.mlp_patches`): their forward calls child Linear modules.
+DENSE_MLP_CLASSES: set[str] = set()
+
+
+def _zero3_gathers_per_child_call(module: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 gathers `module`'s weights child by child, at each child's call: tiles would then start one
+    gather per tile, and ranks with different numbers of tiles would issue different collectives. Such a module runs
+    untiled (`gather_whole_mlps_under_zero3` prevents it under the package's DeepSpeed integration)."""
+    partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
+    children_hooked = any(next(child.parameters(), None) is not None for child in module.children())
+    return partitioned and children_hooked and not getattr(module, "_z3_leaf", False)
+
+
+def gather_whole_mlps_under_zero3(model: torch.nn.Module | None) -> None:
+    """Before `deepspeed.initialize` under CP: every dense MLP the families tile becomes a ZeRO-3 leaf module — its
+    weights gathered once per call by its own hooks, its Linear children without hooks of their own — so its tiles
+    start no gathers (the MoE experts hold their weights themselves: nothing to do). With tiling off, nothing."""
+    if model is None or SETTINGS.mlp_tile_tokens == 0:
+        return
+    for module in model.modules():
+        if any(cls.__name__ in DENSE_MLP_CLASSES for cls in type(module).__mro__):
+            module._z3_leaf = True  # deepspeed.utils.set_z3_leaf_module, read when ZeRO-3 registers its hooks
 
 
 def _single_input(args: tuple, kwargs: dict) -> torch.Tensor:

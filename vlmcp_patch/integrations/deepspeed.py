@@ -16,6 +16,7 @@ from ..distributed import cp_requested, data_parallel_rank, data_parallel_world_
 from ..flags import BATCH_SIZED_BY_ACCELERATE
 from ..forward.arguments import call_arguments
 from ..patching import Patch
+from ..tiles import gather_whole_mlps_under_zero3
 from .setup import check_cp_setup, require_integration
 
 # Digest of DeepSpeed 0.19's `DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`, which averages over all
@@ -79,7 +80,9 @@ def cp_deepspeed_initialize(wrapped, instance, args, kwargs):
             import deepspeed
 
             deepspeed.init_distributed()
-        check_cp_setup(call_arguments(wrapped, args, kwargs).get("model"))
+        model = call_arguments(wrapped, args, kwargs).get("model")
+        check_cp_setup(model)
+        gather_whole_mlps_under_zero3(model)  # before ZeRO-3 registers its hooks (tiles.py)
         kwargs["mpu"] = CPParallelState()
         if BATCH_SIZED_BY_ACCELERATE.get():
             _size_batch_for_replicas(kwargs.get("config_params", kwargs.get("config")))
