@@ -128,6 +128,10 @@ class HostCheckpoints:
         self._newest: weakref.ref | None = None
         self._streams: dict[torch.device, _Streams] = {}
 
+    def facts(self) -> dict:
+        """`VLMCPCallback`'s log entry: the host pool's size in MiB (none while nothing was offloaded)."""
+        return {"cp_host_pool_mib": self.pool.reserved / 2**20} if self.pool.reserved else {}
+
     # -- forward --------------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
