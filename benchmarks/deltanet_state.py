@@ -25,9 +25,7 @@ import time
 import torch
 
 from tests.helpers.harness import run_distributed
-
-GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
-SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_single")
+from vlmcp_patch.fixtures.probes import GATHERS, SCATTERS
 
 
 def _layer(scale: int):

@@ -28,7 +28,7 @@ import torch
 from benchmarks.common import build_benchmark_model
 from tests.helpers.harness import run_distributed
 from vlmcp_patch.attention.heads import ulysses_of
-from vlmcp_patch.fixtures.probes import CollectiveProbe
+from vlmcp_patch.fixtures.probes import GATHERS, SCATTERS, CollectiveProbe
 from vlmcp_patch.layout import Split, kv_replication_factor
 
 
@@ -64,8 +64,8 @@ def measure(rank: int, world_size: int, model_name: str, tokens: int, scale: int
         model(input_ids=ids, labels=ids).loss.backward()
     element = next(model.parameters()).element_size()
     padded = Split(tokens, world_size, ulysses_of(model.config.get_text_config(), world_size)).padded_len
-    gathered = sum(probe.bytes[name] for name in ("all_gather", "all_gather_into_tensor", "all_gather_single"))
-    scattered = sum(probe.bytes[name] for name in ("reduce_scatter_tensor", "reduce_scatter_single"))
+    gathered = sum(probe.bytes[name] for name in GATHERS)
+    scattered = sum(probe.bytes[name] for name in SCATTERS)
     return {"all_to_all": probe.bytes["all_to_all_single"] / element / padded,
             "ring": probe.bytes["batch_isend_irecv"] / element / padded,
             "fixed": (gathered + scattered + probe.bytes["all_reduce"]) / world_size}

@@ -14,7 +14,9 @@ Sections (each prints its numbers; record them in docs/testing.md ("GPU check") 
 4. the per-rank workload: peak memory and tokens/s of forward + backward against the sequence length;
 5. with several GPUs: CP parity of loss and gradients against P=1 on a multimodal packed row;
 6. the attained rates in the units `python -m vlmcp_patch plan` takes (matmul and attention TFLOP/s, the
-   all-to-all's bus bandwidth in GB/s): printed as the flags to pass it, so one run calibrates the plan.
+   all-to-all's bus bandwidth in GB/s): printed as the flags to pass it, so one run calibrates the plan;
+7. with two GPUs or more: what a stalled CP collective looks like on NCCL — two ranks under torchrun, a CP group
+   with a 10 s timeout, one rank never issuing the all-to-all: how long until the job ends, and how (docs/errors.md).
 """
 
 from __future__ import annotations
@@ -232,11 +234,59 @@ def plan_rates(setup: Setup) -> None:
     setup.say(f"  plan flags: {flags}")
 
 
+STALL_TIMEOUT_S = 10
+
+
+def nccl_stall_worker() -> None:
+    """One rank of section 7 (`--nccl-stall-worker`, under torchrun with 2 processes): rank 1 never issues the CP
+    all-to-all that rank 0 waits in."""
+    from vlmcp_patch.collectives.differentiable import all_to_all
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    vlmcp_patch.enable(cp_size=2, timeout=STALL_TIMEOUT_S)
+    cp = vlmcp_patch.get_cp_group(2)
+    if cp.rank == 1:
+        time.sleep(6 * STALL_TIMEOUT_S)
+        os._exit(0)
+    print(f"rank 0: issuing the all-to-all at {time.time():.1f}", flush=True)
+    all_to_all(torch.ones(1, 4, 2, device="cuda"), 1, 2, cp.group, 2)
+    torch.cuda.synchronize()  # NCCL returns at once: the wait is here
+    print("rank 0: the all-to-all completed (it should not have)", flush=True)
+
+
+def nccl_stall(setup: Setup) -> None:
+    setup.say(f"== 7. a stalled CP collective on NCCL (two ranks, CP groups' timeout {STALL_TIMEOUT_S} s)")
+    if torch.cuda.device_count() < 2:
+        setup.say("  skipped: needs two GPUs")
+        return
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "benchmarks.gpu_check",
+               "--nccl-stall-worker"]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=8 * STALL_TIMEOUT_S)
+        ended = f"exit code {done.returncode}"
+        output = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as expired:
+        ended, output = "still running: killed (a hang)", f"{expired.stdout or ''}{expired.stderr or ''}"
+    seconds = time.perf_counter() - start
+    setup.say(f"  the job ended after {seconds:.0f} s ({ended}); what it printed about the stall:")
+    for line in output.splitlines():
+        if any(word in line for word in ("Watchdog", "timed out", "Timeout", "CollectiveError", "rank 0:")):
+            setup.say(f"    {line[:200]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, fp32, torch paths, tiny sizes")
     parser.add_argument("--workload-budget", type=float, default=120, help="seconds for section 4")
+    parser.add_argument("--nccl-stall-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.nccl_stall_worker:
+        return nccl_stall_worker()
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("gloo" if args.dry_run else "nccl")
     setup = Setup(args.dry_run)
@@ -249,6 +299,8 @@ def main() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         cp_parity(setup)
     plan_rates(setup)
+    if not args.dry_run and setup.rank == 0:
+        nccl_stall(setup)
     setup.say("gpu_check: done")
     if dist.is_initialized():
         dist.barrier()

@@ -35,7 +35,6 @@ def measure(rank: int, world_size: int, ulysses: int, lengths: list[int], heads:
     """On this rank, per length: [(schedule, step s, wait s, compute CPU s)] for `repeats` alternations of the two
     schedules (CPU: this thread's, the compute's — gloo moves the data on threads of its own)."""
     import vlmcp_patch
-    from vlmcp_patch import collectives
     from vlmcp_patch.attention import ring
     from vlmcp_patch.context import CPContext
     from vlmcp_patch.distributed import get_cp_group
@@ -54,7 +53,7 @@ def measure(rank: int, world_size: int, ulysses: int, lengths: list[int], heads:
         runs = []
         for _ in range(repeats + 1):  # the first round warms up
             for overlap in (False, True):
-                collectives.OVERLAP = overlap
+                vlmcp_patch.enable(ring_overlap=overlap)
                 torch.distributed.barrier(ctx.cp.group)
                 with CollectiveProbe() as probe:
                     start, cpu = time.perf_counter(), time.thread_time()
@@ -62,7 +61,7 @@ def measure(rank: int, world_size: int, ulysses: int, lengths: list[int], heads:
                     step, cpu = time.perf_counter() - start, time.thread_time() - cpu
                 waited = probe.seconds["ring pass wait"] + probe.seconds["batch_isend_irecv"]  # posting included
                 runs.append(("new" if overlap else "old", step, waited, cpu))
-        collectives.OVERLAP = True
+        vlmcp_patch.enable(ring_overlap=True)
         out[length] = runs[2:]
     vlmcp_patch.enable(cp_size=1)
     return out

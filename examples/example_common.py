@@ -157,6 +157,13 @@ def describe_wrapper(wrapped, model) -> str:
     return "none"
 
 
+def checkpoint_wrapped_modules(model) -> int:
+    """How many modules torch's `checkpoint_wrapper` wraps (FSDP2's activation checkpointing through Accelerate)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+
+
 def report_run(trainer, save_weights: str | None, save_logs: str | None, logs: list[dict], line) -> None:
     """The end of an example: every rank gathers the weights when they are to be saved (ZeRO-3 / FSDP2 need all),
     rank 0 prints `line(entry)` for each logged entry and what wrapped the model, and saves the logs (with that
@@ -168,6 +175,7 @@ def report_run(trainer, save_weights: str | None, save_logs: str | None, logs: l
 
     state = full_state_dict(trainer.model, trainer.accelerator) if save_weights else None
     wrapper = describe_wrapper(trainer.model_wrapped, trainer.model)
+    checkpointed = checkpoint_wrapped_modules(trainer.model)
     if int(os.environ.get("RANK", "0")) != 0:
         return
     for entry in logs:
@@ -177,7 +185,8 @@ def report_run(trainer, save_weights: str | None, save_logs: str | None, logs: l
     print(f"model wrapped by: {wrapper}")
     if save_logs:
         with open(save_logs, "w") as f:
-            json.dump([*logs, {"wrapper": wrapper, "patched": vlmcp_patch.PATCHES.active}], f)
+            json.dump([*logs, {"wrapper": wrapper, "patched": vlmcp_patch.PATCHES.active,
+                               "checkpoint_wrapped": checkpointed}], f)
     if save_weights:
         torch.save(state, save_weights)
 

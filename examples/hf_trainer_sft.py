@@ -67,6 +67,9 @@ def parse_args(argv=None):
     parser.add_argument("--data-format", default="padded", choices=DATA_FORMATS,
                         help="batches of the tiny models: right-padded rows, or the official Qwen3-VL fine-tuning "
                         "script's formats (its own 3D positions, no mm_token_type_ids; padded or one flattened row)")
+    parser.add_argument("--answers-cut", action="store_true",
+                        help="every sample's answer cut away, as truncation does: no labelled token in any batch "
+                        "(the Trainer's num_items_in_batch is 0; the loss NaN, the gradients zero, as stock gives)")
     parser.add_argument("--output-dir", default="out/hf_trainer_sft")
     parser.add_argument("--save-weights", help="rank 0 saves the trained state dict here (for comparisons)")
     parser.add_argument("--save-logs", help="rank 0 saves the Trainer's log history here (json)")
@@ -102,6 +105,17 @@ def build_model(args):
     # between replicas with different images, and their gather fails (without CP too).
     model.config.keys_to_ignore_at_inference = ["past_key_values", "cache", "image_outputs", "video_outputs"]
     return model
+
+
+def with_answers_cut(collator):
+    """`collator`, its batches without a labelled token (samples whose answer truncation cut away)."""
+
+    def collate(samples):
+        batch = collator(samples)
+        batch["labels"] = torch.full_like(batch["labels"], -100)
+        return batch
+
+    return collate
 
 
 def training_arguments(args, sharded: bool, on_cpu: bool) -> TrainingArguments:
@@ -172,7 +186,8 @@ def main(argv=None) -> None:
         args=training_args,
         train_dataset=samples(args.model, args.samples),
         eval_dataset=samples(args.model, args.eval_samples, seed=10_000) if args.eval_samples else None,
-        data_collator=data_collator(args.model, args.data_format, model),
+        data_collator=with_answers_cut(data_collator(args.model, args.data_format, model)) if args.answers_cut else
+        data_collator(args.model, args.data_format, model),
         compute_metrics=token_accuracy if args.eval_samples else None,
         callbacks=[vlmcp_patch.VLMCPCallback()],  # optional: setup checks and CP facts in the logs
     )

@@ -1,5 +1,5 @@
 """Nothing hangs: every rank of a CP group issues the same collectives in the same order, forward and backward,
-whatever its slice holds (`vlmcp_patch/collectives.py`).
+whatever its slice holds (`vlmcp_patch/collectives/order.py`).
 
 - Layouts that hung before the collectives were ordered — a padded batch whose second row starts on the first token
   of the ring's last chunk (P=3), rows ending with an image at P = 5, 6, 7 and 8 (Qwen3.5 and Qwen3-VL) — equal
@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests.helpers.harness import run_distributed
-from tests.helpers.order_cases import FIXED, draw_sweep, run_fixed, run_sweep
+from tests.helpers.order_cases import FIXED, draw_sweep, run_fixed, run_sweep, run_two_forwards
 from tests.helpers.parity import TOL
 
 
@@ -44,12 +44,33 @@ def test_layouts_that_hung_equal_stock_with_one_order_of_collectives(cp_size):
         assert_exact_and_ordered([res[case] for res in per_rank], f"{case}, P={cp_size}")
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("cp_size", sorted(FIXED))
+def test_layouts_that_hung_under_gradient_checkpointing(cp_size, checkpointing):
+    """Non-reentrant checkpointing recomputes a layer inside the main backward, at the first unpack of what it saved:
+    the layer's recomputed collectives then run between other layers' backward collectives, ordered by the graph
+    (docs/design.md, "Recomputed layers")."""
+    per_rank = run_distributed(run_fixed, cp_size, checkpointing, timeout=300)
+    for case in per_rank[0]:
+        assert_exact_and_ordered([res[case] for res in per_rank], f"{case}, {checkpointing}, P={cp_size}")
+
+
+@pytest.mark.parametrize("checkpointing", ["", "non_reentrant"])
+def test_two_forwards_under_one_backward_equal_stock_with_one_order(checkpointing):
+    """Two chains under one backward (the P=3 layout that hung, and a second padded batch): exact, and the same
+    collectives in the same order on every rank."""
+    per_rank = run_distributed(run_two_forwards, 3, checkpointing, timeout=300)
+    assert_exact_and_ordered(per_rank, f"two forwards, {checkpointing or 'no'} checkpointing, P=3")
+    assert per_rank[0]["backward_collectives"] > 0
+
+
 def unordered_row(rank: int, world_size: int) -> str:
     """The P=3 padded batch of `FIXED` with the decoder's output not tied to the collectives' order: the rank whose
     chunks use no passed state skips the backward of the state's gather."""
     from tests.helpers.cases import build_batch
     from tests.helpers.order_cases import CONFIGS
-    from vlmcp_patch.collectives import CollectiveOrder
+    from vlmcp_patch.collectives.order import CollectiveOrder
     from vlmcp_patch.errors import CollectiveError
     from vlmcp_patch.fixtures.models import build_model
 
@@ -80,14 +101,15 @@ def collectives_at_different_sites(rank: int, world_size: int, checked_alone_fir
     sees the difference, also after a check without a group (a recomputed layer's own order checks so)."""
     import torch
 
-    from vlmcp_patch.collectives import all_gather_small, check_collectives, site
+    from vlmcp_patch.collectives.communication import all_gather_small, check_collectives
+    from vlmcp_patch.collectives.record import site
     from vlmcp_patch.distributed import get_cp_group
     from vlmcp_patch.errors import CollectiveError
 
     import vlmcp_patch
 
+    group = get_cp_group(world_size).group  # created before recording: the test counts its own collectives
     vlmcp_patch.enable(debug_collectives=True)
-    group = get_cp_group(world_size).group
     with site("layer 1"):
         all_gather_small(torch.ones(2), group, world_size)
     with site("layer 2" if rank == 0 else "layer 3"):
@@ -113,7 +135,8 @@ def a_rank_that_never_arrives(rank: int, world_size: int, exchange: str) -> dict
     import torch
 
     from vlmcp_patch.attention.ring import _pass_on
-    from vlmcp_patch.collectives import all_to_all, site
+    from vlmcp_patch.collectives.differentiable import all_to_all
+    from vlmcp_patch.collectives.record import site
     from vlmcp_patch.distributed import get_cp_group, hybrid_groups
     from vlmcp_patch.errors import CollectiveError
 
@@ -131,7 +154,7 @@ def a_rank_that_never_arrives(rank: int, world_size: int, exchange: str) -> dict
             if exchange == "all-to-all":
                 all_to_all(torch.ones(1, 4, 2), 1, 2, cp.group, world_size)
             else:  # the pass is posted at once; its wait is where a missing peer shows
-                _pass_on([torch.ones(4)], ring).wait()
+                _pass_on([torch.ones(4)], ring, overlap=True).wait()
     except CollectiveError as error:
         return {"message": str(error), "seconds": time.monotonic() - start}
     return {"message": "", "seconds": time.monotonic() - start}
@@ -143,6 +166,47 @@ def test_a_collective_that_never_completes_raises_naming_it(exchange, group):
     assert waited["message"].startswith(f"vlmcp-patch: the {exchange} over the {group} group at "
                                         "Qwen3VLTextAttention of layer 7 (forward) did not complete"), waited
     assert waited["seconds"] < 7, waited
+
+
+def failures_of_this_rank(rank: int, world_size: int) -> dict:
+    """Failures that are this rank's own, inside a CP collective: what each raises."""
+    import torch
+    import torch.distributed as dist
+
+    from vlmcp_patch.collectives.communication import communicate
+    from vlmcp_patch.collectives.differentiable import exchange_rows
+    from vlmcp_patch.collectives.record import site
+    from vlmcp_patch.distributed import get_cp_group
+
+    group, seen = get_cp_group(world_size).group, {}
+
+    def out_of_memory():  # what the CUDA caching allocator raises inside a collective; none can be had on CPU
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    def bad_splits():  # refused by gloo itself, on this rank, before it sends anything
+        dist.all_to_all_single(torch.empty(4), torch.ones(4), [3, 3], [2, 2], group=group)
+
+    with site("Qwen3VLTextAttention of layer 7"):
+        for name, attempt in (("oom", lambda: communicate("all-to-all", group, 8, out_of_memory)),
+                              ("splits", lambda: communicate("uneven all-to-all (rows)", group, 1, bad_splits)),
+                              ("rows", lambda: exchange_rows(torch.ones(3, 2), [2, 2], [2, 2], group))):
+            try:
+                attempt()
+            except Exception as error:  # noqa: BLE001 - the test reads it
+                seen[name] = (type(error).__name__, str(error))
+    dist.barrier(group=group)  # the group still works: nothing was left half-done
+    return seen
+
+
+def test_a_failure_of_this_rank_names_itself_not_a_peer():
+    for seen in run_distributed(failures_of_this_rank, 2, timeout=60):
+        kind, message = seen["oom"]
+        assert kind == "OutOfMemoryError" and "out of memory on global rank" in message, seen["oom"]
+        assert "Qwen3VLTextAttention of layer 7" in message and "Another rank" not in message, message
+        kind, message = seen["splits"]
+        assert kind == "CollectiveError" and "itself" in message and "Another rank" not in message, seen["splits"]
+        kind, message = seen["rows"]
+        assert kind == "ValueError" and "send counts [2, 2] that add up to 4" in message, seen["rows"]
 
 
 SWEEP_SEED = int(os.environ.get("VLMCP_SWEEP_SEED", "34"))
@@ -158,3 +222,25 @@ def test_generated_rows_equal_stock_with_one_order_of_collectives(cp_size):
         assert_exact_and_ordered([res[i] for res in per_rank], f"seed {SWEEP_SEED}, P={cp_size}, {case}")
     layouts = {res[i]["ulysses"] for res in per_rank for i in range(len(SWEEP[cp_size]))}
     assert all(cp_size % u == 0 for u in layouts), layouts
+
+
+def test_the_sweep_runs_every_kind_of_checkpointing():
+    assert {case["checkpointing"] for cases in SWEEP.values() for case in cases} == {"", "reentrant", "non_reentrant"}
+
+
+def test_the_tie_adds_no_copy_of_the_hidden_states():
+    """The decoder's output tied to the order's last token is a view of it: no second (local, hidden) tensor alive
+    until backward; backward passes its gradient through and a zero to the token."""
+    import torch
+
+    from vlmcp_patch.collectives.order import CollectiveOrder
+
+    order = CollectiveOrder()
+    order.token = torch.zeros((), requires_grad=True)
+    hidden = torch.randn(1, 64, 32, requires_grad=True)
+    tied = order.tie(hidden)
+    assert tied.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
+    assert tied.grad_fn is not None and order.token is None  # the token is spent: the next forward starts its own
+    weights = torch.randn(1, 64, 32)
+    (tied * weights).sum().backward()
+    assert torch.equal(hidden.grad, weights)

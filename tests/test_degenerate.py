@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.degenerate_cases import BATCHES, run_degenerate
+from tests.helpers.degenerate_cases import BATCHES, run_degenerate, run_trl_fused_head
 from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL
 
@@ -55,3 +55,9 @@ def test_a_replica_without_labels_beside_one_with_them():
     assert_like_stock(per_rank)
     assert {case.split()[1] for res in per_rank for case in res} == {"no_labelled_token_with_images",
                                                                       "first_token_then_padding"}
+
+
+def test_trls_fused_head_without_a_labelled_token_gives_finite_zero_gradients():
+    """TRL's trainers score with its fused head; with num_items_in_batch = 0 its loss is NaN and its gradients zero."""
+    pytest.importorskip("trl")
+    assert_like_stock(run_distributed(run_trl_fused_head, 2, 2, timeout=300))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.error_cases import SCENARIOS, run_error_cases, same_loss
+from tests.helpers.error_cases import SCENARIOS, run_error_cases, same_loss, script_flash_boundaries_wrong_on_one_rank
 from tests.helpers.harness import run_distributed
 
 SETUPS = {
@@ -139,3 +139,14 @@ def test_use_cache_true_builds_no_cache_under_cp(results):
 def test_the_group_still_works_after_every_error(results):
     r0, r1 = results
     assert r0["after"] == r1["after"]
+
+
+def test_a_scripts_flash_boundaries_wrong_on_one_rank_raise_on_every_rank():
+    """The boundaries a script hands flash-attn reach the package inside the decoder: the ranks agree on them there,
+    so a rank whose script gave another row's boundaries stops every rank with the same error, not only itself."""
+    per_rank = run_distributed(script_flash_boundaries_wrong_on_one_rank, 2, timeout=300)
+    for rank, res in enumerate(per_rank):
+        assert res["error"] == "UnsupportedSetupError", (rank, res)
+        assert "do not describe the row on CP rank(s) [1]" in res["message"], (rank, res["message"])
+        assert res["seconds"] < SECONDS, (rank, res)
+    assert "cu_seqlens_q=" in per_rank[1]["message"] and "cu_seqlens_q=" not in per_rank[0]["message"]

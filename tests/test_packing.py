@@ -152,3 +152,55 @@ def test_a_packed_row_stock_gets_right_runs_stock_at_p1(attn, reapply):
     vlmcp_patch.revert()
     stock = model(**row)
     assert torch.equal(ours.loss, stock.loss) and torch.equal(ours.logits, stock.logits)
+
+
+def _restarts_computed(run) -> int:
+    """How many times the package computes where a batch's text positions restart (`layout.starts_of`, a host sync
+    on a GPU) while `run()` runs."""
+    from vlmcp_patch.forward import batch
+
+    computed, original = [], batch.starts_of
+
+    def counted(positions):
+        computed.append(positions.shape)
+        return original(positions)
+
+    batch.starts_of = counted
+    try:
+        run()
+    finally:
+        batch.starts_of = original
+    return len(computed)
+
+
+@pytest.mark.parametrize("family, attn", [("qwen3_vl", "sdpa"), ("qwen3_vl", "eager"), ("qwen3_5", "sdpa")])
+def test_a_packed_row_is_read_once_per_forward_at_p1(family, attn):
+    """The restarts of a packed row are computed once per forward, whether the row then runs stock (text samples,
+    no cache: stock gets it right) or the package's P=1 path (DeltaNet layers)."""
+    from tests.helpers.cases import packed_text_batch
+    from vlmcp_patch.fixtures.models import build_model
+
+    config = CONFIGS[family]()
+    config._attn_implementation = config.get_text_config()._attn_implementation = attn
+    model = build_model(config, seed=1)
+    row = packed_text_batch([9, 14, 6], seed=2)
+    assert _restarts_computed(lambda: model(**row)) == 1
+
+
+def read_once_under_cp(rank: int, world_size: int) -> list[int]:
+    import vlmcp_patch
+    from tests.helpers.cases import packed_text_batch
+    from vlmcp_patch.fixtures.models import build_model
+
+    vlmcp_patch.enable(cp_size=world_size)
+    counts = []
+    for family in ("qwen3_vl", "qwen3_5"):
+        model = build_model(CONFIGS[family](), seed=1)
+        row = packed_text_batch([9, 14, 6], seed=2)
+        counts.append(_restarts_computed(lambda: model(**row).loss.backward()))
+    return counts
+
+
+def test_a_packed_row_is_read_once_per_forward_under_cp():
+    for counts in run_distributed(read_once_under_cp, 2, timeout=300):
+        assert counts == [1, 1]

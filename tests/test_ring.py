@@ -38,6 +38,17 @@ def test_every_family_beyond_its_heads_equals_stock(cp_size, once):
     assert {c for _, c in CASES[cp_size]} & {"packed_multimodal", "padded_pair"}
 
 
+@pytest.mark.parametrize("trains, passes", [("qkv", 2 * 3 - 1), ("q", 3 - 1), ("", 0)])
+def test_the_rings_backward_runs_only_what_its_inputs_need(trains, passes):
+    """R = 3: the backward passes the keys R-1 times and their gradients R times when k and v train; only the keys
+    when q alone trains (LoRA on the query projection); nothing when no input trains (a frozen layer). Exact where it
+    computes."""
+    for res in run_distributed(ring_attention_alone, 3, "torch", False, 5, trains, timeout=300):
+        assert res["backward_passes"] == passes, res
+        assert res["untrained_grads"] == [] and res["out_err"] <= 1e-6, res
+        assert ("q" not in trains or res["dq_err"] <= 1e-5) and ("k" not in trains or res["dkv_err"] <= 1e-5), res
+
+
 def test_flash_attention_2_runs_flash_attn_on_every_block_of_the_ring():
     """The flash_attention_2 path at P=4 (U=2, R=2) with flash-attn's kernel (the CPU stand-in) on each block."""
     per_rank = run_distributed(run_ring_cases, 4, "flash_attention_2", timeout=900)

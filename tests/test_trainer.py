@@ -44,13 +44,15 @@ def _launch(name: str, procs: int, cp_size: int, model: str, extra=(), launcher=
     about = next(e for e in entries if "wrapper" in e)
     steps = [e for e in entries if "loss" in e or "eval_loss" in e]
     return Run(torch.load(tmp / "w.pt"), steps, about["wrapper"], tmp / "out",
-               next(e for e in entries if "train_samples_per_second" in e), about["patched"])
+               next(e for e in entries if "train_samples_per_second" in e), about["patched"],
+               about["checkpoint_wrapped"])
 
 
 class Run:
-    def __init__(self, weights, steps, wrapper, output, summary, patched):
+    def __init__(self, weights, steps, wrapper, output, summary, patched, checkpoint_wrapped=0):
         self.weights, self.steps, self.wrapper, self.output, self.summary = weights, steps, wrapper, output, summary
         self.patched = patched  # whether the package's patches were installed in that run
+        self.checkpoint_wrapped = checkpoint_wrapped  # modules under torch's checkpoint_wrapper (FSDP2's AC)
 
     @property
     def train(self):
@@ -98,6 +100,19 @@ def test_ddp_cp2_equals_p1(model, launcher, once):
 
 
 @INTEGRATION
+def test_batches_without_a_labelled_token_leave_the_weights_as_stock_does():
+    """Every sample's answer cut away: the Trainer's num_items_in_batch is 0 at every step, the loss NaN and the
+    gradients zero, as stock gives them — the weights stay what they were, finite, under CP=2 as in one process (before
+    the fix, CP's NaN gradients turned every weight into NaN at the first step)."""
+    cut = ["--answers-cut"]
+    reference, run = _launch("p1-cut", 1, 1, VL, cut), _launch("ddp-cut", 2, 2, VL, cut)
+    assert run.wrapper == "DDP"
+    assert all(bool(torch.isfinite(w).all()) for w in run.weights.values() if w.is_floating_point())
+    assert state_dict_error(run.weights, reference.weights) == 0.0
+    assert len(run.train) == len(reference.train) == 3
+
+
+@INTEGRATION
 def test_stock_ddp_on_two_processes_shards_the_data(once):
     run = _launch("ddp-stock", 2, 1, VL)
     assert run.wrapper == "DDP" and state_dict_error(run.weights, once(p1, VL).weights) > 1e-2
@@ -120,15 +135,20 @@ def test_deepspeed_cp2_equals_p1(model, stage, switch, once):
 
 
 @INTEGRATION
-@pytest.mark.parametrize("model,wrapper", [("tiny-qwen3-vl-2heads", "DeepSpeed ZeRO-3"),
-                                           ("tiny-qwen3.5-2heads", "FSDP2")])
-def test_four_ranks_beyond_two_heads_train_as_one_process(model, wrapper, once):
-    """Two query heads (and two DeltaNet value heads) over four ranks: Ulysses pairs and a ring of two."""
+@pytest.mark.parametrize("model,wrapper,checkpointing", [("tiny-qwen3-vl-2heads", "DeepSpeed ZeRO-3", False),
+                                                         ("tiny-qwen3.5-2heads", "FSDP2", False),
+                                                         ("tiny-qwen3-vl-2heads", "FSDP2", True)])
+def test_four_ranks_beyond_two_heads_train_as_one_process(model, wrapper, checkpointing, once):
+    """Two query heads (and two DeltaNet value heads) over four ranks: Ulysses pairs and a ring of two; with FSDP2's
+    activation checkpointing through Accelerate (torch's non-reentrant `checkpoint_wrapper` around every decoder
+    layer and vision block: their collectives recomputed inside the main backward)."""
     if wrapper.startswith("DeepSpeed"):
         pytest.importorskip("deepspeed")
     extra = _deepspeed(3) if wrapper.startswith("DeepSpeed") else ["--fsdp"]
-    run = _launch(f"ring-{model}", 4, 4, model, extra)
+    extra += ["--activation-checkpointing"] if checkpointing else []
+    run = _launch(f"ring-{model}-{'ac' if checkpointing else 'plain'}", 4, 4, model, extra)
     assert run.wrapper == wrapper
+    assert (run.checkpoint_wrapped > 0) == checkpointing, run.checkpoint_wrapped
     assert_trains_like(run, once(p1, model), cp_size=4)
 
 

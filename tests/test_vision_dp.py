@@ -28,7 +28,7 @@ def exchange_backward(rank: int, world_size: int) -> dict:
     the rows it received: the gradient of a sent row is the receiver's weight on it."""
     import torch.distributed as dist
 
-    from vlmcp_patch.collectives import exchange_rows
+    from vlmcp_patch.collectives.differentiable import exchange_rows
 
     send = [[1, 2], [1, 0]][rank]
     recv = [send_by[rank] for send_by in ([1, 2], [1, 0])]

@@ -23,7 +23,14 @@ from .distributed import (  # noqa: E402
     get_cp_group,
     sum_over_cp_group,
 )
-from .errors import CollectiveError, CPInputError, PatchTargetError, UnsupportedSetupError, VLMCPError  # noqa: E402
+from .errors import (  # noqa: E402
+    CollectiveError,
+    CPInputError,
+    PatchTargetError,
+    UnsummedGradientsError,
+    UnsupportedSetupError,
+    VLMCPError,
+)
 from .forward.generate import GENERATE_PATCH  # noqa: E402
 from .integrations import accelerate as _accelerate  # noqa: E402
 from .integrations import deepspeed as _deepspeed  # noqa: E402
@@ -103,6 +110,7 @@ __all__ = [
     "CollectiveError",
     "CPInputError",
     "PatchTargetError",
+    "UnsummedGradientsError",
     "UnsupportedSetupError",
     "UntestedVersionWarning",
     "VLMCPError",

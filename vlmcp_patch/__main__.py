@@ -7,9 +7,9 @@ size and layout, the predicted per-rank peak memory and step time, before any GP
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from .launcher import launch
 from .report import report
 
 
@@ -39,10 +39,8 @@ def main(argv=None) -> int:
 
 def _launched_node_size() -> int | None:
     """Ranks per node of this launch when it spans several nodes (LOCAL_WORLD_SIZE below WORLD_SIZE), else None."""
-    local, world = os.environ.get("LOCAL_WORLD_SIZE", ""), os.environ.get("WORLD_SIZE", "")
-    if local.isdigit() and world.isdigit() and 0 < int(local) < int(world):
-        return int(local)
-    return None
+    here = launch()
+    return here.local_world_size if here.several_nodes else None
 
 
 def _text_config(name: str | None):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .collectives import CollectiveOrder
+from .collectives.order import CollectiveOrder
 from .distributed import CPGroup, HybridGroups, gather_sequence, hybrid_groups
 from .flags import scoped
 from .layout import Segment, Split, VisionShare, cu_seqlens_of
@@ -63,6 +63,35 @@ class RowLayout:
         out = row.new_full((*row.shape[:batch_dim], self.batch, self.width, *row.shape[batch_dim + 1 :]), fill)
         out.flatten(batch_dim, batch_dim + 1).index_copy_(batch_dim, self.index.to(x.device), row)
         return out  # a tensor of its own, not a view (FSDP2 hooks a module's outputs for backward)
+
+
+@dataclass(frozen=True)
+class SliceIndex:
+    """Which of the padded row's tokens this rank holds (`CPContext.slice_index`): its real tokens — the row
+    positions `positions` (ascending, CPU), one run from `start` where the slice is contiguous (R = 1, else None)
+    — then `pad` CP padding tokens after every real one."""
+
+    positions: torch.Tensor
+    start: int | None
+    pad: int
+
+    def take(self, x: torch.Tensor, dim: int, value=0) -> torch.Tensor:
+        """This rank's tokens of a full-row tensor along `dim`, CP padding filled with `value`: a view of a contiguous
+        slice that holds no padding, otherwise a tensor of the slice's size (the whole tensor is never copied)."""
+        dim = dim % x.ndim
+        if self.start is not None:
+            local = x.narrow(dim, self.start, self.positions.numel())
+        else:
+            local = x.index_select(dim, self.positions.to(x.device))
+        return self.padded(local, dim, value)
+
+    def padded(self, local: torch.Tensor, dim: int, value=0) -> torch.Tensor:
+        """The slice's real tokens `local` along `dim` followed by its CP padding, filled with `value`."""
+        if not self.pad:
+            return local
+        dim = dim % local.ndim
+        widths = [0, 0] * (local.ndim - dim - 1) + [0, self.pad]
+        return F.pad(local, widths, value=value)
 
 
 @dataclass
@@ -161,20 +190,17 @@ class CPContext:
         widths = [0, 0] * (x.ndim - dim - 1) + [0, self.pad_len]
         return F.pad(x, widths, value=value)
 
-    def shard(self, x: torch.Tensor, dim: int, value=0) -> torch.Tensor:
-        """This rank's tokens (local_len along `dim`) of a full-length tensor, CP padding filled with `value`. With
-        R = 1 a view of the contiguous slice when it holds no padding; otherwise a tensor of the slice's size (the
-        whole tensor is never copied)."""
-        dim = dim % x.ndim
+    @functools.cached_property
+    def slice_index(self) -> SliceIndex:
+        """Which tokens of the row this rank holds, computed once per forward (`SliceIndex`)."""
         real = self.local_real_len
-        if self.contiguous:
-            local = x.narrow(dim, min(int(self.local_positions[0]), self.seq_len), real)
-        else:
-            local = x.index_select(dim, self.local_positions[:real].to(x.device))
-        if not self.local_pad_len:
-            return local
-        widths = [0, 0] * (x.ndim - dim - 1) + [0, self.local_pad_len]
-        return F.pad(local, widths, value=value)
+        start = min(int(self.local_positions[0]), self.seq_len) if self.contiguous else None
+        return SliceIndex(positions=self.local_positions[:real], start=start, pad=self.local_pad_len)
+
+    def shard(self, x: torch.Tensor, dim: int, value=0) -> torch.Tensor:
+        """This rank's tokens (local_len along `dim`) of a full-length tensor, CP padding filled with `value`
+        (`SliceIndex.take`)."""
+        return self.slice_index.take(x, dim, value)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The full-length tensor in row order from every rank's tokens, padding removed; backward keeps each rank's
@@ -196,7 +222,7 @@ class CPContext:
 
     @functools.cached_property
     def order(self) -> CollectiveOrder:
-        """The order of this forward's collectives (`collectives.py`): current while the backbone runs; the text
+        """The order of this forward's collectives (`collectives/order.py`): current while the backbone runs; the text
         decoder ties its last token into its output."""
         return CollectiveOrder(self.cp.group, self.cp.size)
 

@@ -10,15 +10,18 @@ import atexit
 import contextlib
 import datetime
 import os
-import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .collectives import gather_keep_local_grad, group_timeout
+from .collectives.communication import communicate, group_timeout
+from .collectives.differentiable import gather_keep_local_grad
 from .errors import UnsupportedSetupError
+from .grad_shares import shares_summed
 from .flags import BYPASS, scoped
+from .launcher import launch
 from .layout import hybrid_rank_lists, ulysses_degree
 from .patching import cp_size
 from .settings import SETTINGS
@@ -87,22 +90,34 @@ def _release_groups() -> None:
     _NODE_SIZE.clear()
 
 
+def _warn_if_a_stall_would_hang() -> None:
+    """On NCCL a collective returns at once and its stall is ended by the group's watchdog, which aborts the process
+    after the timeout — unless asynchronous error handling is off (`0`), when it waits forever (docs/errors.md)."""
+    setting = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", os.environ.get("NCCL_ASYNC_ERROR_HANDLING"))
+    if setting == "0" and dist.get_backend() == "nccl":
+        warnings.warn("vlmcp-patch: TORCH_NCCL_ASYNC_ERROR_HANDLING=0 lets a stalled CP collective wait forever (a "
+                      "dead or failed rank hangs the job); leave it unset (torch's 3, torchrun's 1) so NCCL's "
+                      "watchdog ends every rank after the CP groups' timeout", stacklevel=3)
+
+
 def _new_group(ranks: list[int], role: str):
     """A process group of `ranks` described as `role` (cp, ulysses, ring, world: the collectives' errors and debug
     records name it), with the CP groups' timeout."""
     if not _GROUPS and not _WORLD_GROUP and not _HYBRID:
         atexit.register(_release_groups)
-    return dist.new_group(ranks=ranks, timeout=_timeout_of_default_group(), group_desc=f"vlmcp_{role}")
+        _warn_if_a_stall_would_hang()
+    # a collective of the whole world (every rank creates every group, in the same order)
+    return communicate(f"creation of a vlmcp_{role} group", None, len(ranks),
+                       lambda: dist.new_group(ranks=ranks, timeout=_timeout_of_default_group(),
+                                              group_desc=f"vlmcp_{role}"))
 
 
 def launcher_node() -> dict:
     """What the launcher says about this process's node (torchrun / accelerate / deepspeed set these): ranks per node
     (`LOCAL_WORLD_SIZE`, None when not set), the node's index (`GROUP_RANK`, else None), and the host; with the
     Ulysses size this process was given (VLMCP_ULYSSES_SIZE, 0: automatic), which every rank must share too."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    group = os.environ.get("GROUP_RANK", "").strip()
-    return {"local_world_size": int(local) if local.isdigit() else None,
-            "group_rank": int(group) if group.isdigit() else None, "host": socket.gethostname(),
+    here = launch()
+    return {"local_world_size": here.local_world_size, "group_rank": here.group_rank, "host": here.host,
             "ulysses_size": SETTINGS.ulysses_size}
 
 
@@ -174,7 +189,9 @@ def _agree_on_nodes(world: int) -> None:
     launch that fails the checks raises here on every rank, and again at every later forward."""
     if world not in _NODE_SIZE:
         nodes = [None] * world
-        dist.all_gather_object(nodes, launcher_node(), group=world_group())
+        group = world_group()
+        communicate("all-gather of the launcher's nodes", group, 1,
+                    lambda: dist.all_gather_object(nodes, launcher_node(), group=group))
         try:
             _NODE_SIZE[world] = agreed_node_size(nodes)
         except UnsupportedSetupError as error:
@@ -332,11 +349,6 @@ def sharded_by_fsdp2(module: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
-def gathered_when_run(module: torch.nn.Module) -> bool:
-    """Whether a module's weights are gathered when it runs (ZeRO-3, FSDP2), in evaluation too."""
-    return any(is_partitioned(p) for p in module.parameters()) or sharded_by_fsdp2(module)
-
-
 def sum_over_cp_group(tensors, group=None) -> None:
     """All-reduce (sum) each tensor in place over the CP `group` (default: this rank's group in effect; a no-op
     with CP off). A raw training loop calls it on the parameters' gradients after backward: each rank holds its
@@ -346,7 +358,9 @@ def sum_over_cp_group(tensors, group=None) -> None:
         return
     for tensor in tensors:
         if tensor is not None:
-            dist.all_reduce(tensor, group=group)
+            communicate("gradient sum (sum_over_cp_group)", group, tensor.numel(),
+                        lambda tensor=tensor: dist.all_reduce(tensor, group=group))
+    shares_summed()
 
 
 def gather_sequence(tensor: torch.Tensor, dim: int = 1, length: int | None = None, cp: CPGroup | None = None):

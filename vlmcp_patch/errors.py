@@ -33,6 +33,10 @@ class Problem:
         raise self.error(self.message)
 
 
+class UnsummedGradientsError(VLMCPError):
+    """An optimizer step on gradients that are still each rank's share under CP (`grad_shares.py`)."""
+
+
 class CollectiveError(VLMCPError):
     """A collective of the CP group failed or did not complete within the groups' timeout, or the ranks of a group
     issued different collectives (`VLMCP_DEBUG_COLLECTIVES=1`)."""

@@ -5,6 +5,7 @@ alone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -321,9 +322,11 @@ class VisionShare:
     def merged_tokens(self) -> int:
         return sum(patches for _, patches, *_ in self.units) // self.merge_unit
 
+    @functools.cached_property
     def held_by_ranks(self) -> list[torch.Tensor]:
         """The merged tokens each rank encodes, in its output order (every token exactly once over the ranks):
-        by patches, equal contiguous runs (the last one short)."""
+        by patches, equal contiguous runs (the last one short). Built once per share: a vision call reads it where
+        it encodes and where it routes."""
         if self.method == BY_ITEMS:
             return [self.held(r) for r in range(self.size)]
         per_rank = round_up(self.merged_tokens, self.size) // self.size

@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .collectives import sum_keep_local_grad
+from .collectives.differentiable import sum_keep_local_grad
 from .context import CPContext
 
 IGNORE_INDEX = -100

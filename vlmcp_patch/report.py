@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import platform
 import time
 
 import torch
 
+from .launcher import launch
 from .patching import cp_size
 from .settings import SETTINGS
 from .supported import supported_class_names
@@ -64,9 +64,9 @@ def patches(status: list[dict]) -> list[str]:
 
 
 def layout() -> list[str]:
-    """The CP layout of this launch, from the launcher's environment (torchrun / accelerate / deepspeed)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    """The CP layout of this launch, from the launcher's environment (`launcher.launch`)."""
+    here = launch()
+    world, rank = here.world_size or 1, here.rank or 0
     size = cp_size()
     lines = [f"  VLMCP_CP_SIZE={SETTINGS.cp_size} (in effect: {size}), world size {world}, this rank {rank}"]
     if world % size:
@@ -76,8 +76,8 @@ def layout() -> list[str]:
     lines.append(f"  CP groups (blocks of {size} consecutive ranks): {shown}")
     lines.append(f"  data-parallel replicas: {world // size}; this rank: replica {rank // size}, "
                  f"position {rank % size}")
-    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    lines.append(f"  ranks per node (LOCAL_WORLD_SIZE): {local or 'not set: one node'}; Ulysses size: "
+    per_node = here.local_world_size or "not set: one node"
+    lines.append(f"  ranks per node (LOCAL_WORLD_SIZE): {per_node}; Ulysses size: "
                  f"{SETTINGS.ulysses_size or 'automatic, inside a node'} (VLMCP_ULYSSES_SIZE)")
     lines.append(f"  vision data parallelism: {'on' if SETTINGS.vision_dp else 'off'}")
     return lines

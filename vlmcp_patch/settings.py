@@ -16,6 +16,7 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_ULYSSES_SIZE` | `ulysses_size` | auto | U of P = U x R: ranks per all-to-all subgroup, in a node |
 | `VLMCP_TIMEOUT` | `timeout` | the user's | seconds a collective of the CP groups may wait before it raises |
 | `VLMCP_DEBUG_COLLECTIVES` | `debug_collectives` | off | ranks compare their collectives after each forward and backward |
+| `VLMCP_RING_OVERLAP` | `ring_overlap` | on | a ring's passes run behind its blocks' compute |
 | `VLMCP_DISABLE` | (`revert()`) | off | nothing is patched; every helper reports P=1 |
 """
 
@@ -83,8 +84,12 @@ class Settings:
     # Seconds a collective of the CP groups waits for the other ranks before it raises (0: the timeout the user gave
     # the default group). Read when the groups are created.
     timeout: float = 0
-    # Every rank records its CP collectives; the ranks compare them after each forward and backward (collectives.py).
+    # Every rank records its CP collectives; the ranks compare them after each forward and backward
+    # (collectives/communication.py).
     debug_collectives: bool = False
+    # A ring's passes run behind the compute of its blocks (off: each pass waits where it starts, the schedule before
+    # the overlap, which benchmarks/ring_overlap.py compares). Read by each ring attention call.
+    ring_overlap: bool = True
     # Tokens per tile of the decoder and vision MLPs under CP (`tiles.py`): AUTO sizes them from the slice and the
     # MLP's widths (`tiles.tile_tokens`); 0 runs them untiled. Exact either way; CP off never tiles.
     mlp_tile_tokens: int | str = AUTO
@@ -123,6 +128,7 @@ def _from_environment() -> Settings:
         ulysses_size=env_int("VLMCP_ULYSSES_SIZE", 0),
         timeout=env_float("VLMCP_TIMEOUT", 0),
         debug_collectives=env_flag("VLMCP_DEBUG_COLLECTIVES"),
+        ring_overlap=env_flag("VLMCP_RING_OVERLAP", True),
         mlp_tile_tokens=env_tokens("VLMCP_MLP_TILE_TOKENS"),
         offload_checkpoints=env_flag("VLMCP_OFFLOAD_CHECKPOINTS"),
     )
@@ -144,6 +150,7 @@ def enable(
     ulysses_size: int | None = None,
     timeout: float | None = None,
     debug_collectives: bool | None = None,
+    ring_overlap: bool | None = None,
     mlp_tile_tokens: int | str | None = None,
     offload_checkpoints: bool | None = None,
 ) -> Settings:
@@ -161,6 +168,7 @@ def enable(
         "ulysses_size": ulysses_size,
         "timeout": timeout,
         "debug_collectives": debug_collectives,
+        "ring_overlap": ring_overlap,
         "mlp_tile_tokens": mlp_tile_tokens,
         "offload_checkpoints": offload_checkpoints,
     }

@@ -110,3 +110,14 @@ def run_degenerate(rank: int, world_size: int, cp_size: int, families: list[str]
             model = build_model(FAMILIES[family](), seed=1)
             results[f"{family} {name}"] = compare_degenerate(model, degenerate_batch(name), cp_size)
     return results
+
+
+def run_trl_fused_head(rank: int, world_size: int, cp_size: int) -> dict:
+    """TRL's fused LM head (what its trainers score with: `add_fused_lm_head`, patched under CP) on a batch without a
+    labelled token and the Trainer's `num_items_in_batch` = 0, against the same head at P=1."""
+    from trl.trainer import sft_trainer
+
+    model = build_model(FAMILIES["qwen3_vl"](), seed=1)
+    sft_trainer.add_fused_lm_head(model)
+    batch = {**degenerate_batch("no_labelled_token_with_images"), "fused_lm_head": True, "num_items_in_batch": 0}
+    return {"qwen3_vl trl_fused_head": compare_degenerate(model, batch, cp_size)}

@@ -564,3 +564,36 @@ def same_loss(a: float | None, b: float | None) -> bool:
     if a is None or b is None:
         return False
     return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-5 * abs(b)
+
+
+def script_flash_boundaries_wrong_on_one_rank(rank: int, world_size: int) -> dict:
+    """A script's own `flash_attn_varlen_func` call (flash-attn: the CPU stand-in, wrapped as at an import that finds
+    it) inside a CP forward, with the row's boundaries on rank 0 and boundaries of another row on rank 1: what each
+    rank raised, and how long it took. Its own process: the stand-in changes what transformers finds installed."""
+    from tests.helpers import flash_standin
+
+    flash_standin.install()
+    import flash_attn
+
+    import vlmcp_patch
+
+    vlmcp_patch.revert()
+    vlmcp_patch.apply()
+    batch = one_sample()
+    length = batch["input_ids"].shape[1]
+    cu = torch.tensor([0, length] if rank == 0 else [0, length - 3, length], dtype=torch.int32)
+
+    varlen = flash_attn.flash_attn_varlen_func  # the package's wrapper, bound after the import as a script does
+
+    def attend(q, k, v, module):
+        out = varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, length, length,
+                     causal=True, softmax_scale=module.scaling)
+        return out.transpose(0, 1)[None]
+
+    vlmcp_patch.enable(cp_size=world_size)
+    try:
+        result = outcome(_script_attention(vl_model(), attend), batch, {})
+    finally:
+        vlmcp_patch.enable(cp_size=1)
+    dist.barrier()  # the group is still usable: every rank left the forward at the same collective
+    return result

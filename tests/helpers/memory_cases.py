@@ -61,7 +61,7 @@ def whole_row_lengths(batch: dict, size: int, merge: int = 2) -> dict[str, int]:
 def gathered_route(local, held, owner, cp):
     """The control: every rank first gathers every rank's features (all of the row's vision tokens), then keeps
     its own — the features are right, but each rank holds all of them."""
-    from vlmcp_patch.collectives import gather_keep_local_grad
+    from vlmcp_patch.collectives.differentiable import gather_keep_local_grad
 
     counts = [h.numel() for h in held]
     padded = F.pad(local, (0, 0, 0, max(counts) - local.shape[0]))

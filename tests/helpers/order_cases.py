@@ -14,7 +14,6 @@ padded batches with a nearly empty row, and heads that give every U x R the CP s
 from __future__ import annotations
 
 import random
-import zlib
 
 from tests.helpers.cases import build_batch
 from vlmcp_patch.fixtures.data import Segment, make_packed_batch
@@ -57,21 +56,20 @@ FIXED = {
 
 
 def _sequence_digest() -> tuple[int, int]:
-    from vlmcp_patch.collectives import collective_log
+    from vlmcp_patch.collectives.record import collective_log
 
-    records = [str(r) for r in collective_log().records]
-    return len(records), zlib.crc32("\n".join(records).encode())
+    log = collective_log()
+    return sum(log.issued.values()), log.digest
 
 
 def _run(model, layout, world_size: int, packed: bool) -> dict:
     from tests.helpers.packing_cases import compare_packed
     from tests.helpers.parity import compare
-    from vlmcp_patch.collectives import collective_log
+    from vlmcp_patch.collectives.record import collective_log
 
     import vlmcp_patch
 
-    collective_log().records.clear()
-    collective_log().compared = 0
+    collective_log().reset()
     vlmcp_patch.enable(debug_collectives=True)
     try:
         if packed:
@@ -92,9 +90,17 @@ def _model(name: str, checkpointing: str = ""):
     return model
 
 
-def run_fixed(rank: int, world_size: int) -> dict:
-    """The fixed cases of `FIXED[world_size]`, each against stock."""
-    return {" ".join(map(str, case)): _run(_model(case[0], *case[2:]), case[1], world_size, packed=False)
+# Gradient checkpointing changes when the collectives run: reentrant recomputes a layer inside its one backward node
+# (ordered within the layer by `run_ordered`), non-reentrant recomputes it at the first unpack of a tensor it saved,
+# inside the main backward (torch's default, the HF default and FSDP2's `checkpoint_wrapper`).
+CHECKPOINTING = ("", "reentrant", "non_reentrant")
+
+
+def run_fixed(rank: int, world_size: int, checkpointing: str | None = None) -> dict:
+    """The fixed cases of `FIXED[world_size]`, each against stock; with `checkpointing`, each under that gradient
+    checkpointing instead of its own."""
+    return {" ".join(map(str, case)): _run(_model(case[0], *(case[2:] if checkpointing is None else [checkpointing])),
+                                           case[1], world_size, packed=False)
             for case in FIXED[world_size]}
 
 
@@ -142,8 +148,13 @@ def draw_case(rng: random.Random) -> dict:
 
 
 def draw_sweep(seed: int, sizes: list[int], per_size: int) -> dict[int, list[dict]]:
+    """`per_size` cases per CP size; the cases take no, reentrant and non-reentrant checkpointing in turn (the draws
+    do not depend on it: a seed gives the same rows as before checkpointing was swept)."""
     rng = random.Random(seed)
-    return {size: [draw_case(rng) for _ in range(per_size)] for size in sizes}
+    cases = {size: [draw_case(rng) for _ in range(per_size)] for size in sizes}
+    for i, case in enumerate(c for size in sizes for c in cases[size]):
+        case["checkpointing"] = CHECKPOINTING[i % len(CHECKPOINTING)]
+    return cases
 
 
 def run_sweep(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
@@ -152,8 +163,55 @@ def run_sweep(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     out = []
     for case in cases:
         config = FAMILY_CONFIGS[case["family"]](case["heads"])
-        metrics = _run(build_model(config, seed=1), case["samples"], world_size, case["packed"])
+        model = build_model(config, seed=1)
+        if case.get("checkpointing"):
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": case["checkpointing"] == "reentrant"})
+            model.train()
+        metrics = _run(model, case["samples"], world_size, case["packed"])
         metrics["ulysses"] = ulysses_of(config.get_text_config(), world_size)
         out.append(metrics)
     return out
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two forwards under one backward
+
+
+def run_two_forwards(rank: int, world_size: int, checkpointing: str = "") -> dict:
+    """`loss = model(a).loss + model(b).loss`, one backward (KTO's KL pass, a contrastive loss): two CP forwards, two
+    chains of order tokens, whose backward collectives the engine interleaves by its own priority — the nodes of the
+    later forward first, on every rank (they are created later, and none waits for the earlier forward's). Against
+    stock, with the ranks' collectives compared after the backward (`VLMCP_DEBUG_COLLECTIVES=1`) and here."""
+    import vlmcp_patch
+    from vlmcp_patch.collectives.record import collective_log
+    from vlmcp_patch.fixtures.compare import gradient_errors, rel_err, summed_over_group
+
+    model = _model("qwen3_5_text", checkpointing)
+    first, second = build_batch(("padded", [30, 6]), seed=7), build_batch(("padded", [11, 25]), seed=8)
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(**first).loss + 0.5 * model(**second).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    vlmcp_patch.revert()
+    try:
+        ref_loss, ref_grads = loss_and_grads()
+    finally:
+        vlmcp_patch.apply()
+    collective_log().reset()
+    vlmcp_patch.enable(cp_size=world_size, debug_collectives=True)
+    try:
+        loss, grads = loss_and_grads()
+    finally:
+        vlmcp_patch.enable(cp_size=1, debug_collectives=False)
+    summed = summed_over_group(grads, vlmcp_patch.get_cp_group(world_size).group)
+    errors, _ = gradient_errors(summed, ref_grads)
+    worst = max(errors, key=errors.get)
+    count, digest = _sequence_digest()
+    return {"loss": float(loss), "loss_err": rel_err(loss, ref_loss), "logits_err": 0.0, "grad_err": errors[worst],
+            "worst_grad": worst, "missing_grads": sorted(set(ref_grads) - set(summed)), "collectives": count,
+            "sequence": digest, "backward_collectives": collective_log().issued.get("backward", 0)}

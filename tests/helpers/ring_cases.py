@@ -90,15 +90,18 @@ def run_ring_cases(rank: int, world_size: int, attn: str = "sdpa") -> dict:
 
 
 def ring_attention_alone(rank: int, world_size: int, kernel: str = "torch", wrong_merge: bool = False,
-                         tile: int = 5) -> dict:
+                         tile: int = 5, trains: str = "qkv") -> dict:
     """The ring's attention of random q, k, v over a row of three segments, at R = world size and U = 1, against
     softmax attention over the whole row per segment: on the torch kernel with small key tiles (several tiles and ring
-    steps to merge), or on flash-attn's (the CPU stand-in), whose calls are reported."""
+    steps to merge), or on flash-attn's (the CPU stand-in), whose calls are reported. Only the inputs named in
+    `trains` need a gradient (a frozen projection's output does not); the ring passes of the backward are counted."""
     from tests.helpers import flash_standin
     from vlmcp_patch.attention import ring, ring_flash
+    from vlmcp_patch.collectives.order import CollectiveOrder
     from vlmcp_patch.context import CPContext
     from vlmcp_patch.distributed import get_cp_group
     from vlmcp_patch.fixtures.compare import rel_err
+    from vlmcp_patch.fixtures.probes import CollectiveProbe
 
     import vlmcp_patch
 
@@ -107,7 +110,7 @@ def ring_attention_alone(rank: int, world_size: int, kernel: str = "torch", wron
     g = torch.Generator().manual_seed(3)
     full = [torch.randn(1, heads, ctx.padded_len, 8, generator=g, requires_grad=True) for heads in (2, 1, 1)]
     mine = ctx.split.subgroup_positions(ctx.groups.ring.index)
-    local = [t.detach()[:, :, mine].clone().requires_grad_(True) for t in full]
+    local = [t.detach()[:, :, mine].clone().requires_grad_(name in trains) for t, name in zip(full, "qkv")]
 
     def averaged(out, lse, block_out, block_lse):  # the control: blocks averaged, not weighted by their lse
         return (block_out.float(), block_lse) if out is None else ((out + block_out.float()) / 2, lse)
@@ -116,11 +119,18 @@ def ring_attention_alone(rank: int, world_size: int, kernel: str = "torch", wron
         flash_standin.install()
     previous, ring.TILE = ring.TILE, tile
     try:
-        out = ring.ring_attention(*local, ring.ring_shares(ctx), ctx.groups.ring, 8 ** -0.5,
-                                  merge_fn=averaged if wrong_merge else ring.merge,
-                                  kernel=ring_flash.FLASH_KERNEL if kernel == "flash" else ring.TORCH_KERNEL)
+        # ordered as inside a model, after a collective of a layer that trains (its token needs a gradient) and tied
+        # into the output: the backward runs for the order's sake even where no input needs a gradient (a frozen layer)
+        order = CollectiveOrder()
+        order.token = torch.zeros((), requires_grad=True)
+        with order.running():
+            out = ring.ring_attention(*local, ring.ring_shares(ctx), ctx.groups.ring, 8 ** -0.5,
+                                      merge_fn=averaged if wrong_merge else ring.merge,
+                                      kernel=ring_flash.FLASH_KERNEL if kernel == "flash" else ring.TORCH_KERNEL)
+        out = order.tie(out)
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
-        (out * weights).sum().backward()
+        with CollectiveProbe() as probe:
+            (out * weights).sum().backward()
     finally:
         ring.TILE = previous
     q_full, k_full, v_full = full[0], *(t.repeat_interleave(2, dim=1) for t in full[1:])  # 2 query heads per KV head
@@ -134,8 +144,11 @@ def ring_attention_alone(rank: int, world_size: int, kernel: str = "torch", wron
     vlmcp_patch.enable(cp_size=1)
     return {  # k's and v's gradients came back around the ring to their owner: each rank holds its own, whole
         "out_err": rel_err(out, reference[:, :, mine]),
-        "dq_err": rel_err(local[0].grad, full[0].grad[:, :, mine]),
-        "dkv_err": max(rel_err(local[i + 1].grad, full[i + 1].grad[:, :, mine]) for i in range(2)),
+        "dq_err": rel_err(local[0].grad, full[0].grad[:, :, mine]) if "q" in trains else None,
+        "dkv_err": max(rel_err(local[i + 1].grad, full[i + 1].grad[:, :, mine]) for i in range(2))
+        if "k" in trains else None,
+        "untrained_grads": [name for t, name in zip(local, "qkv") if t.grad is not None and name not in trains],
+        "backward_passes": probe.calls["batch_isend_irecv"],
         "flash_calls": list(flash_standin.CALLS),
     }
 

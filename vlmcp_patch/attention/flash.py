@@ -28,7 +28,10 @@ import inspect
 
 import torch
 
-from ..collectives import all_to_all, run_ordered, site
+from ..collectives.communication import all_gather_small
+from ..collectives.differentiable import all_to_all
+from ..collectives.order import run_ordered
+from ..collectives.record import site
 from ..context import CPContext
 from ..errors import UnsupportedSetupError
 from ..patching import Patch, resolve
@@ -46,8 +49,9 @@ def call_arguments(wrapped, args, kwargs) -> dict:
 THD = 0, 1  # varlen q/k/v: (tokens, heads, dim)
 
 
-def _check_boundaries(given: torch.Tensor, ctx: CPContext, name: str) -> None:
-    """The script's cumulative lengths against the row: its whole row's, or this slice's."""
+def _boundary_problem(given: torch.Tensor, ctx: CPContext, name: str) -> str | None:
+    """What is wrong with the script's cumulative lengths against the row — neither its whole row's nor this slice's
+    — or None."""
     row = torch.tensor([0] + [b for _, b in ctx.segments], dtype=given.dtype, device=given.device)
     if int(given[-1]) == ctx.seq_len:
         agrees = torch.equal(given, row)
@@ -57,10 +61,26 @@ def _check_boundaries(given: torch.Tensor, ctx: CPContext, name: str) -> None:
         start = int(ctx.local_positions[0])
         clipped = (row.clamp(start, start + ctx.local_real_len) - start).unique_consecutive()
         agrees = torch.equal(given[given <= ctx.local_real_len].unique_consecutive(), clipped)
-    if not agrees:
+    if agrees:
+        return None
+    return (f"{name}={given.tolist()}: neither the row's sample boundaries {row.tolist()} nor this rank's slice of "
+            "them; the script's boundaries must describe the batch it gave")
+
+
+def check_boundaries_on_every_rank(problems: list[str | None], ctx: CPContext, device) -> None:
+    """Raise `UnsupportedSetupError` on every rank of the CP group when any rank's script gave boundaries that do not
+    describe the row (`problems`: this rank's, None where fine). The boundaries reach the package only inside the
+    decoder, after the forward's agreement, so the ranks agree on them here: one small all-gather per call, issued on
+    every rank whatever its slice holds, before the call's first exchange."""
+    mine = [p for p in problems if p is not None]
+    failed = [0] if mine else []
+    if ctx.cp.size > 1:
+        verdicts = all_gather_small(torch.tensor([float(bool(mine))], device=device), ctx.cp.group, ctx.cp.size)
+        failed = [rank for rank, bad in enumerate(verdicts[:, 0].tolist()) if bad]
+    if failed:
         raise UnsupportedSetupError(
-            f"flash-attn called under CP with {name}={given.tolist()}: neither the row's sample boundaries "
-            f"{row.tolist()} nor this rank's slice of them; the script's boundaries must describe the batch it gave"
+            "flash-attn called under CP with sample boundaries that do not describe the row on CP rank(s) "
+            f"{failed}" + (f"; on this rank {'; '.join(mine)}" if mine else "")
         )
 
 
@@ -113,8 +133,9 @@ def cp_flash_attn_varlen_func(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     call = call_arguments(wrapped, args, kwargs)
     q, k, v = call.pop("q"), call.pop("k"), call.pop("v")
-    for name in ("cu_seqlens_q", "cu_seqlens_k"):
-        _check_boundaries(call.pop(name), ctx, name)
+    problems = [_boundary_problem(call.pop(name), ctx, name) for name in ("cu_seqlens_q", "cu_seqlens_k")]
+    with site("a script's flash_attn_varlen_func"):
+        check_boundaries_on_every_rank(problems, ctx, q.device)
     for name in ("max_seqlen_q", "max_seqlen_k"):
         call.pop(name, None)
     with site("a script's flash_attn_varlen_func"):

@@ -53,5 +53,7 @@ def head_counts(text_config) -> list[int]:
 def ulysses_of(text_config, size: int) -> int:
     """U of the P = U x R layout for a model: the largest divisor of P that splits its query heads (and its DeltaNet
     value heads), inside a node where the heads allow (`layout.ulysses_degree`); the rest of P is a ring
-    (`layout.Split`)."""
+    (`layout.Split`). At P=1 it is 1, without asking the launcher's environment or the host name."""
+    if size == 1:
+        return 1
     return ulysses_for(size, head_counts(text_config))

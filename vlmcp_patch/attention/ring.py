@@ -28,9 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import PendingPass, new_token, ordered, remember_order, site, start_pass, token_grad
+from ..collectives.order import new_token, ordered, remember_order, token_grad
+from ..collectives.passes import PendingPass, start_pass
+from ..collectives.record import site
 from ..context import CPContext
 from ..distributed import RingPeers
+from ..settings import SETTINGS
 
 NEG_INF = float("-inf")
 
@@ -38,10 +41,10 @@ NEG_INF = float("-inf")
 KEYS, GRADIENTS = 0, 1  # the tags of the two rings of backward: keys and values, their gradients
 
 
-def _pass_on(tensors: list[torch.Tensor], peers: RingPeers, tag: int = KEYS) -> PendingPass:
+def _pass_on(tensors: list[torch.Tensor], peers: RingPeers, overlap: bool, tag: int = KEYS) -> PendingPass:
     """Start sending `tensors` to the next member of the ring and receiving the previous member's (the same shapes);
-    the caller computes, then waits (`PendingPass.wait`): the transfer runs behind that compute."""
-    return start_pass(tensors, peers.group, peers.next_rank, peers.prev_rank, tag, peers.timeout)
+    the caller computes, then waits (`PendingPass.wait`): with `overlap` the transfer runs behind that compute."""
+    return start_pass(tensors, peers.group, peers.next_rank, peers.prev_rank, tag, peers.timeout, overlap)
 
 
 def block_mask(q_pos: torch.Tensor, q_seg: torch.Tensor, k_pos: torch.Tensor, k_seg: torch.Tensor) -> torch.Tensor:
@@ -166,24 +169,26 @@ def ring_shares(ctx: CPContext) -> Shares:
 
 class _RingAttention(torch.autograd.Function):
     """Softmax attention of this member's queries over the whole ring's keys (module docstring). q (B, H, T, D); k,
-    v (B, Hkv, T, D), every member's T the same. Ordered (`collectives.py`): every member passes k and v R-1 times
-    in forward and R times in backward, whatever its blocks hold."""
+    v (B, Hkv, T, D), every member's T the same. Ordered (`collectives/order.py`): every member passes k and v R-1
+    times in forward and R times in backward, whatever its blocks hold; with `overlap` each pass runs behind a
+    block's compute, in forward and backward alike."""
 
     @staticmethod
-    def forward(ctx, q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn, kernel: BlockKernel, token):
+    def forward(ctx, q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn, kernel: BlockKernel,
+                overlap: bool, token):
         out = lse = None
         held_k, held_v = k, v
         for step in range(peers.size):
             owner = (peers.index - step) % peers.size
             # double buffer: the next step's keys travel while this step's are computed on
-            incoming = _pass_on([held_k, held_v], peers) if step < peers.size - 1 else None
+            incoming = _pass_on([held_k, held_v], peers, overlap) if step < peers.size - 1 else None
             block_out, block_lse = kernel.forward(q, held_k, held_v, shares.block(peers.index, owner), scale)
             if block_out is not None:
                 out, lse = merge_fn(out, lse, block_out, block_lse)
             if incoming is not None:
                 held_k, held_v = incoming.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.shares, ctx.peers, ctx.scale, ctx.kernel = shares, peers, scale, kernel
+        ctx.shares, ctx.peers, ctx.scale, ctx.kernel, ctx.overlap = shares, peers, scale, kernel, overlap
         remember_order(ctx, token)
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse, new_token(q)
@@ -199,36 +204,48 @@ class _RingAttention(torch.autograd.Function):
         before the block is computed), and the gradients of the keys a member holds follow one step behind — they
         arrive while it computes its block and leave, with its share added, for the next member, reaching their
         owner after R passes. Every member issues the same passes in the same order: keys 0, gradients 0, keys 1,
-        gradients 1, ..., keys R-2, gradients R-2, gradients R-1."""
+        gradients 1, ..., keys R-2, gradients R-2, gradients R-1.
+
+        Only what an input needs runs (which inputs need a gradient follows from which parameters train, the same on
+        every member): nothing when none does (a frozen layer), no gradient ring when only q does (LoRA on the query
+        projection alone)."""
         q, k, v, out, lse = ctx.saved_tensors
         shares, peers, scale = ctx.shares, ctx.peers, ctx.scale
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        want_q, want_kv = ctx.needs_input_grad[0], any(ctx.needs_input_grad[1:3])
+        nothing = (None,) * 9
+        if not (want_q or want_kv):
+            return (*nothing, token_grad(ctx, grad_token))
+        dq = torch.zeros_like(q, dtype=torch.float32) if want_q else None
         held_k, held_v = k, v
+        held_dk = held_dv = None
         gradients = None  # the pass bringing the gradients of the keys held, summed over the members before
         for step in range(peers.size):
             owner = (peers.index - step) % peers.size
-            incoming = _pass_on([held_k, held_v], peers) if step < peers.size - 1 else None
+            incoming = _pass_on([held_k, held_v], peers, ctx.overlap) if step < peers.size - 1 else None
             dq_b, dk_b, dv_b = ctx.kernel.backward(dout, q, held_k, held_v, out, lse,
                                                    shares.block(peers.index, owner), scale)
-            dq += dq_b
-            held_dk, held_dv = dk_b.float(), dv_b.float()
-            if gradients is not None:
-                before_dk, before_dv = gradients.wait()
-                held_dk, held_dv = held_dk + before_dk, held_dv + before_dv
+            if want_q:
+                dq += dq_b
+            if want_kv:
+                held_dk, held_dv = dk_b.float(), dv_b.float()
+                if gradients is not None:
+                    before_dk, before_dv = gradients.wait()
+                    held_dk, held_dv = held_dk + before_dk, held_dv + before_dv
             if incoming is not None:
                 held_k, held_v = incoming.wait()
-            if peers.size == 1:
-                break
-            gradients = _pass_on([held_dk, held_dv], peers, GRADIENTS)
+            if want_kv and peers.size > 1:
+                gradients = _pass_on([held_dk, held_dv], peers, ctx.overlap, GRADIENTS)
         if gradients is not None:  # the last pass brought this member's own keys' gradients back
             held_dk, held_dv = gradients.wait()
-        return (dq.to(q.dtype), held_dk.to(k.dtype), held_dv.to(v.dtype), None, None, None, None, None,
-                token_grad(ctx, grad_token))
+        grads = (None if dq is None else dq.to(q.dtype), None if held_dk is None else held_dk.to(k.dtype),
+                 None if held_dv is None else held_dv.to(v.dtype))
+        return (*grads, *nothing[3:], token_grad(ctx, grad_token))
 
 
 def ring_attention(q, k, v, shares: Shares, peers: RingPeers, scale: float, merge_fn=merge,
                    kernel: BlockKernel = TORCH_KERNEL) -> torch.Tensor:
     """Attention of this ring member's queries (B, H, T, D) over every member's keys and values (B, Hkv, T, D):
     output (B, H, T, D), each block computed by `kernel`. `merge_fn` merges two partial attentions (the tests
-    replace it to show that a wrong merge is caught)."""
-    return ordered(_RingAttention, q, k, v, shares, peers, scale, merge_fn, kernel)[0]
+    replace it to show that a wrong merge is caught). The passes' schedule (`SETTINGS.ring_overlap`) is read here,
+    once per call: its forward and backward run alike."""
+    return ordered(_RingAttention, q, k, v, shares, peers, scale, merge_fn, kernel, SETTINGS.ring_overlap)[0]

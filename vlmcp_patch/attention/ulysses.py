@@ -16,7 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..collectives import all_to_all, module_site, run_ordered, site
+from ..collectives.differentiable import all_to_all
+from ..collectives.order import run_ordered
+from ..collectives.record import module_site, site
 from ..context import CTX_KWARG, CPContext
 from ..distributed import cp_requested
 from ..errors import UnsupportedSetupError

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import all_gather_small
+from ..collectives.communication import all_gather_small
 from ..distributed import is_partitioned
 from ..errors import CPInputError, UnsupportedSetupError
 from .plan import ForwardPlan

@@ -1,16 +1,22 @@
 """Questions the package asks of a call and its model — what kind of batch it is, what stock would do with it —
 answered without judging it (the refusals are `refusals.py`'s) and without deciding anything (`plan.py` decides).
 
-* the path: whether the batch is a **packed row** in the documented convention and whether stock would get that
-  row right (asked of every call, so cheap);
-* the reading (`read_batch`, asked once of a batch that takes the package's path): its shape, its real tokens,
-  where its placeholder tokens are, where its samples start — from each source a packed row gives them by —
-  and where stock restarts attention inside a row. A fact a malformed batch does not let be read is None: the
-  rule that judges it (`refusals.py`) says why.
+The batch is read once per forward, in one pass (`read_batch`), into the `BatchReading` the plan is built from:
+
+* first what decides its path: whether it is a **packed row** in the documented convention and whether stock would
+  get that row right (read of every call, so cheap; where stock may run the batch and gets it right, the reading
+  stops there);
+* then its shape, its real tokens, where its placeholder tokens are, where its samples start — from each source a
+  packed row gives them by — and where stock restarts attention inside a row. A fact a malformed batch does not let
+  be read is None: the rule that judges it (`refusals.py`) says why.
+
+Where the text positions restart (`layout.starts_of`) is computed at most once per reading (`TextPositions`): on a
+GPU each question of it is a host sync. Nothing after the reading asks the batch again.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -64,11 +70,29 @@ def cumulative_lengths_mask(call: dict) -> bool:
     return torch.is_tensor(mask) and mask.ndim == 1 and not mask.is_floating_point() and mask.dtype != torch.bool
 
 
-def is_packed_row(call: dict) -> bool:
+class TextPositions:
+    """The call's text positions (`text_positions`) and where they restart, each computed at most once."""
+
+    def __init__(self, call: dict):
+        self.values = text_positions(call)
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor | None:
+        """Same shape as the positions: True where a sample starts (`layout.starts_of`); None without positions."""
+        return None if self.values is None else starts_of(self.values)
+
+    @functools.cached_property
+    def restart_inside(self) -> bool:
+        """Whether the positions restart after a row's first token (one host sync on a GPU)."""
+        return self.values is not None and bool(self.starts[..., 1:].any())
+
+
+def is_packed_row(call: dict, text: TextPositions | None = None) -> bool:
     """The packed-row convention — the only batch that takes the package's path at P=1: one row and either
     no `attention_mask` with 2D text positions that restart (`DataCollatorWithFlattening`, optionally with
     `cu_seq_lens_q/k`) or `cu_seq_lens_q` of several samples, or an `attention_mask` holding the row's 1D
-    cumulative sample lengths [0, l1, l1 + l2, ...] (the official Qwen3-VL fine-tuning script's packing)."""
+    cumulative sample lengths [0, l1, l1 + l2, ...] (the official Qwen3-VL fine-tuning script's packing). `text`:
+    the call's `TextPositions` where the caller holds them."""
     reference = batch_reference(call)
     if reference is None or reference.ndim < 2 or reference.shape[0] != 1:
         return False
@@ -77,28 +101,28 @@ def is_packed_row(call: dict) -> bool:
     if call.get("attention_mask") is not None:
         return False
     positions = call.get("position_ids")
-    if positions is not None and positions.ndim == 2 and bool(starts_of(positions)[..., 1:].any()):
+    if positions is not None and positions.ndim == 2 and (text or TextPositions(call)).restart_inside:
         return True
     cu = call.get("cu_seq_lens_q")
     return cu is not None and cu.numel() > 2
 
 
-def stock_gets_packed_row_right(model, call: dict) -> bool:
+def stock_gets_packed_row_right(model, call: dict, text: TextPositions) -> bool:
     """Whether stock's forward on a packed row (`is_packed_row`) equals its samples run one by one — then the row
     runs stock at P=1. Stock attends within each sample (flash-attention on its restarting positions or
     `cu_seq_lens`; sdpa and eager on restarting positions when no KV cache is built), but it runs Qwen3.5's DeltaNet
     layers across the samples, computes no per-sample 3D mRoPE for pictures from 2D text positions, and cannot read
     the official fine-tuning script's cumulative-lengths mask."""
-    text = model.config.get_text_config()
-    if has_deltanet(text) or cumulative_lengths_mask(call):
+    config = model.config.get_text_config()
+    if has_deltanet(config) or cumulative_lengths_mask(call):
         return False
     positions = call.get("position_ids")
     if has_vision(call) and (positions is None or positions.ndim == 2):
         return False
-    if text._attn_implementation == "flash_attention_2":
+    if config._attn_implementation == "flash_attention_2":
         return True
-    restarting = text_positions(call)  # sdpa and eager: stock's restarts where it builds no cache
-    return restarting is not None and stock_restarts(model, call, restarting, restarting.shape[0]) is not None
+    # sdpa and eager: stock's restarts where it builds no cache
+    return text.values is not None and stock_restarts(model, call, text, text.values.shape[0]) is not None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -115,20 +139,21 @@ def placeholder_tokens(model, call: dict, token_id: int) -> torch.Tensor:
     return (embeds == token).all(-1)
 
 
-def stock_restarts(model, call: dict, text: torch.Tensor, batch: int) -> torch.Tensor | None:
+def stock_restarts(model, call: dict, text: TextPositions, batch: int) -> torch.Tensor | None:
     """(batch, seq) bool: where stock starts a new attention sequence inside a row from its text positions when
     there is no mask — sdpa without a KV cache (where positions do not continue by +1), flash-attention on one
     row (at the smallest position) — or None when it attends over each whole row."""
     config = model.config.get_text_config()
-    text = text.expand(batch, -1)
+    positions = text.values.expand(batch, -1)
     if config._attn_implementation == "flash_attention_2":
-        if batch != 1 or not bool(((torch.arange(text.shape[-1], device=text.device) + text.min()) != text).any()):
+        continuing = torch.arange(positions.shape[-1], device=positions.device) + positions.min()
+        if batch != 1 or not bool((continuing != positions).any()):
             return None
-        return text == text.min()
+        return positions == positions.min()
     use_cache = call.get("use_cache")
-    if (config.use_cache if use_cache is None else use_cache) or not bool(starts_of(text)[..., 1:].any()):
+    if (config.use_cache if use_cache is None else use_cache) or not text.restart_inside:
         return None
-    return starts_of(text)
+    return text.starts.expand(batch, -1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -139,6 +164,8 @@ def stock_restarts(model, call: dict, text: torch.Tensor, batch: int) -> torch.T
 class BatchReading:
     """What a batch says, read once (`read_batch`) before any rule judges it. Tensors on the batch's device.
 
+    `packed`: the batch is a packed row (`is_packed_row`). `stock_gets_it_right`: stock may run the batch (CP off,
+    no caller asked for the package's path) and its forward equals the package's — then nothing else is read.
     `device`: where the batch lives (control tensors of collectives go there). `shape`: (batch, seq) of its
     tokens. `cache_given`: a KV cache came with the call; `carries_vision`: pixels or grids did;
     `cumulative_mask`: its `attention_mask` when that holds a packed row's cumulative lengths. `real`: (batch, seq)
@@ -152,6 +179,8 @@ class BatchReading:
     `placeholder_rows` each modality's placeholder tokens' positions in it (1D, ascending)."""
 
     device: torch.device
+    packed: bool = False
+    stock_gets_it_right: bool = False
     shape: tuple[int, int] | None = None
     cache_given: bool = False
     carries_vision: bool = False
@@ -167,37 +196,44 @@ class BatchReading:
     placeholder_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def read_batch(model, call: dict, packed: bool) -> BatchReading:
-    """The reading of `call`'s batch (`BatchReading`); `packed`: it is a packed row (`is_packed_row`)."""
-    device, shape, cache_given = batch_device(call), tokens_shape(call), given_cache(call) is not None
+def read_batch(model, call: dict, stock_allowed: bool) -> BatchReading:
+    """The reading of `call`'s batch, in one pass (`BatchReading`, module docstring). `stock_allowed`: stock may run
+    it (CP off, and the caller did not ask for the package's path): a batch stock gets right is then read no
+    further."""
+    device, text = batch_device(call), TextPositions(call)
+    packed = is_packed_row(call, text)
+    if stock_allowed and (not packed or stock_gets_packed_row_right(model, call, text)):
+        return BatchReading(device, packed=packed, stock_gets_it_right=True)
+    shape, cache_given = tokens_shape(call), given_cache(call) is not None
     cumulative_mask = call["attention_mask"] if cumulative_lengths_mask(call) else None
     if shape is None:
-        return BatchReading(device, cache_given=cache_given, carries_vision=has_vision(call),
+        return BatchReading(device, packed=packed, cache_given=cache_given, carries_vision=has_vision(call),
                             cumulative_mask=cumulative_mask)
     vision = getattr(model.config, "vision_config", None) is not None
     given = [(kind, grid_key, token_key) for kind, pixels_key, grid_key, token_key in VISION
              if vision and call.get(pixels_key) is not None]
     placeholders = {kind: placeholder_tokens(model, call, getattr(model.config, key)) for kind, _, key in given}
     grids = {kind: call.get(grid_key) for kind, grid_key, _ in given}
-    text = text_positions(call)
     real = text_starts = restarts = None
     cumulative = []
     if packed:
-        text_starts = None if text is None else starts_of(text)
+        text_starts = text.starts
         cumulative = [(name, cu, _starts_of_cumulative(cu, shape[1]))
                       for name, cu in _cumulative_lengths(call, cumulative_mask)]
         starts = next((s for s in reversed([text_starts, *(c[2] for c in cumulative)]) if s is not None), None)
     else:
         mask = call.get("attention_mask")
         real = mask.bool() if torch.is_tensor(mask) and tuple(mask.shape) == shape else None
-        if mask is None and text is not None and text.shape[-2] in (1, shape[0]) and text.shape[-1] == shape[1]:
+        positions = text.values
+        if (mask is None and positions is not None and positions.shape[-2] in (1, shape[0])
+                and positions.shape[-1] == shape[1]):
             restarts = stock_restarts(model, call, text, shape[0])
         starts = _first_tokens(shape, real, restarts, device)
     segments = [] if starts is None else _segments(real, starts)
     return BatchReading(
-        device, shape, cache_given=cache_given, carries_vision=has_vision(call), cumulative_mask=cumulative_mask,
-        real=real, placeholders=placeholders, grids=grids, cumulative=cumulative, text_starts=text_starts,
-        restarts=restarts, starts=starts, segments=segments,
+        device, packed=packed, shape=shape, cache_given=cache_given, carries_vision=has_vision(call),
+        cumulative_mask=cumulative_mask, real=real, placeholders=placeholders, grids=grids, cumulative=cumulative,
+        text_starts=text_starts, restarts=restarts, starts=starts, segments=segments,
         placeholder_rows={kind: _row_positions(found, real) for kind, found in placeholders.items()},
     )
 

@@ -69,8 +69,8 @@ def text_model_forward(wrapped, instance, args, kwargs):
 
 
 def _tied_to_collectives(out, ctx: CPContext):
-    """The decoder's output with its hidden state tied to the forward's collectives (`collectives.py`, rule 1): every
-    rank then runs every collective's backward, in the reverse of the forward order."""
+    """The decoder's output with its hidden state tied to the forward's collectives (`collectives/order.py`, rule
+    1): every rank then runs every collective's backward, in the reverse of the forward order."""
     if isinstance(out, tuple):
         return (ctx.order.tie(out[0]), *out[1:])
     out.last_hidden_state = ctx.order.tie(out.last_hidden_state)

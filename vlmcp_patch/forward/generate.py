@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..collectives.communication import communicate
 from ..distributed import cp_requested, disabled, get_cp_group
 from ..flags import GENERATING, SPLIT_ROLLOUT, scoped
 from ..patching import Patch
@@ -64,11 +65,12 @@ def _share_of_rows(model, call: dict, rows: slice) -> dict:
 def _gathered_rows(sequences: torch.Tensor, pad_token_id: int, group) -> torch.Tensor:
     """Every rank's generated rows, right-padded to the longest, in rank order."""
     lengths = [None] * dist.get_world_size(group)
-    dist.all_gather_object(lengths, sequences.shape[1], group=group)
+    communicate("all-gather of the generated lengths", group, 1,
+                lambda: dist.all_gather_object(lengths, sequences.shape[1], group=group))
     longest = max(lengths)
     padded = torch.nn.functional.pad(sequences, (0, longest - sequences.shape[1]), value=pad_token_id)
     parts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, padded.cpu(), group=group)
+    communicate("all-gather of the generated rows", group, 1, lambda: dist.all_gather_object(parts, padded.cpu(), group=group))
     return torch.cat([p for p in parts if p.shape[0]]).to(sequences.device)
 
 

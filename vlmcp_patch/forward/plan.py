@@ -8,11 +8,13 @@
   nothing else is planned;
 * **row** — which of the caller's tokens are real and the samples (attention segments) of the packed row they
   form, back to back;
-* **positions** — the position ids on the caller's layout, and who computes them (`positions_from`);
-* **slices** — how the row is padded and cut over the ranks (`layout.Split`: U x R, each rank's positions);
+* **positions** — the position ids on the caller's layout;
+* **slices** — how the row is padded and cut over the ranks: U of the P = U x R layout (`layout.Split` follows
+  from it and the row: each rank's positions);
 * **vision** — the row positions of each modality's placeholder tokens and how the ranks share its vision work
   (`layout.VisionShare`);
-* **attention** — the attention implementation the decoder runs (with the split: Ulysses alone, or a ring).
+* **digest** — one number for every decision, those the later steps do not read included (a packed row or not, who
+  computed the positions, the attention implementation): the agreement compares it over the group.
 
 Everything after reads the plan and asks the batch nothing again: `agreement.agree` fingerprints the batch and
 the plan, `rows.lay_out` lays the row out, `slicing.cut_to_slice` cuts it, `vision.py` encodes its share. The
@@ -31,8 +33,8 @@ from ..distributed import SINGLE_RANK, CPGroup
 from ..errors import Problem
 from ..layout import Segment, Split, VisionShare
 from ..settings import SETTINGS
-from .batch import is_packed_row, read_batch, stock_gets_packed_row_right
-from .positions import BY_CALLER, positions_of
+from .batch import read_batch
+from .positions import positions_of
 from .refusals import first_refusal
 
 STOCK, AT_P1, CP = "stock", "the package's path at P=1", "CP"
@@ -48,23 +50,21 @@ class ForwardPlan:
     samples in row coordinates; `positions` are (..., batch, seq) on the caller's layout; `vision_tokens` maps a
     modality to the row positions (1D, ascending) of its placeholder tokens, `vision_shares` to its share over the
     ranks (under CP only); `cumulative_lengths` is the caller's 1D cumulative-lengths mask of a packed row, as
-    given. A plan with a `refusal` holds nothing else but the device."""
+    given. A plan with a `refusal` holds nothing else but the device. It holds what the steps after it read; the
+    decisions only the agreement compares are in the `digest` alone."""
 
     path: str
     cp: CPGroup | None = None
     refusal: Problem | None = None
     device: torch.device | None = None
-    packed: bool = False
     shape: tuple[int, int] | None = None
     real: torch.Tensor | None = None
     segments: list[Segment] = field(default_factory=list)
     positions: torch.Tensor | None = None
-    positions_from: str = BY_CALLER
-    split: Split | None = None
+    ulysses: int = 1  # U of the P = U x R layout
     vision_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
     vision_shares: dict[str, VisionShare] = field(default_factory=dict)
     cumulative_lengths: torch.Tensor | None = None
-    attention: str | None = None
     digest: float = 0.0  # every rank that planned alike has the same (`agreement.agree`; `_digest`)
 
 
@@ -72,15 +72,13 @@ def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False) ->
     """The plan of one forward of `model` on `call` in the CP group `cp` (None: CP off). `always`: take the
     package's path at P=1 even for a batch stock gets right (`token_log_probs`). Never raises for the batch: a
     refusal is part of the plan."""
-    # 1. The path: stock, unless CP is on or this is a packed row stock would get wrong.
-    packed = is_packed_row(call)
-    if cp is None:
-        if not (always or (packed and not stock_gets_packed_row_right(model, call))):
-            return ForwardPlan(STOCK)
-        cp = SINGLE_RANK
-    path = CP if cp.size > 1 else AT_P1
-    # 2. The batch, read once; the rules judge the reading; the positions (stock may refuse on the way).
-    reading = read_batch(model, call, packed)
+    # 1. The batch, read once; the path: stock, unless CP is on or this is a packed row stock would get wrong.
+    reading = read_batch(model, call, stock_allowed=cp is None and not always)
+    if reading.stock_gets_it_right:
+        return ForwardPlan(STOCK)
+    cp = cp or SINGLE_RANK
+    path, packed = CP if cp.size > 1 else AT_P1, reading.packed
+    # 2. The rules judge the reading; the positions (stock may refuse on the way).
     refusal = first_refusal(model, cp, call, reading, packed)
     if refusal is None:
         try:
@@ -91,13 +89,14 @@ def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False) ->
         return ForwardPlan(path, cp, refusal=refusal, device=reading.device)
     # 3. What each rank holds of the row: its slice, its vision share.
     text, vision = model.config.get_text_config(), getattr(model.config, "vision_config", None)
+    # U is computed again here after the rules checked it (`refusals.check_model_config`): they must judge it in
+    # their order, and after the first forward of a launch it is arithmetic (P=1: no question at all).
     split = Split(reading.segments[-1][1], cp.size, ulysses_of(text, cp.size))
     shares = {} if cp.size == 1 else VisionShare.decide_each(reading.grids, vision, cp.size, SETTINGS.vision_dp)
     return ForwardPlan(
-        path, cp, device=reading.device, packed=packed, shape=reading.shape, real=reading.real,
-        segments=reading.segments, positions=positions, positions_from=positions_from, split=split,
-        vision_tokens=reading.placeholder_rows, vision_shares=shares, cumulative_lengths=reading.cumulative_mask,
-        attention=text._attn_implementation,
+        path, cp, device=reading.device, shape=reading.shape, real=reading.real, segments=reading.segments,
+        positions=positions, ulysses=split.ulysses, vision_tokens=reading.placeholder_rows, vision_shares=shares,
+        cumulative_lengths=reading.cumulative_mask,
         digest=_digest(path, packed, reading.segments, positions_from, split, shares, text._attn_implementation,
                        reading.cumulative_mask is not None),
     )

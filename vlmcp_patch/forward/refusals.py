@@ -29,13 +29,15 @@ The rules judge the call and what `batch.read_batch` read of it; they ask the ba
 from __future__ import annotations
 
 import torch
+import transformers
 
 from ..attention.foreign import foreign_attention_problem
 from ..attention.heads import has_deltanet, kv_replication, ulysses_of
+from ..compat import NEWEST
 from ..distributed import CPGroup
-from ..errors import CPInputError, Problem, UnsupportedSetupError
+from ..errors import CPInputError, PatchTargetError, Problem, UnsupportedSetupError
 from ..loss import IGNORE_INDEX, shifted_labels
-from ..patching import cp_size
+from ..patching import PATCHES, cp_size
 from ..supported import family_of
 from .arguments import CU_SEQ_LENS, VISION
 from .batch import BatchReading
@@ -91,11 +93,30 @@ def check_model_config(text_config, size: int) -> None:
         )
 
 
+def unverified_message(family: str) -> str | None:
+    """Why `family` cannot run under CP with the installed transformers, or None when all its targets verified."""
+    entries = PATCHES.unverified_for(family)
+    if not entries:
+        return None
+    targets = ", ".join(target for target, _ in entries)
+    details = " ".join(why.rstrip(".") + "." for _, why in entries)
+    return (
+        f"{family} models cannot run under CP with transformers {transformers.__version__}: the patch target(s) "
+        f"{targets} did not verify, and the newest release vlmcp-patch was checked on is transformers {NEWEST}. "
+        f"With CP off these models run as stock. To use CP, install transformers=={NEWEST} (or an older checked "
+        f"release) or a vlmcp-patch release checked on {transformers.__version__}; or set VLMCP_CP_SIZE=1. "
+        f"({details})"
+    )
+
+
+def unverified_problem(family: str | None) -> Problem | None:
+    message = None if family is None else unverified_message(family)
+    return None if message is None else Problem(PatchTargetError, message)
+
+
 def family_problem(model) -> Problem | None:
     """What the model's family cannot run on the package's path (under CP, or a packed row at P=1): a target of it
     that did not verify on this transformers (the family is stock), and the family's own check (`Family.cp_check`)."""
-    from .unverified import unverified_problem  # it builds on the agreement, which builds on the plan
-
     family = family_of(model)
     if family is None:
         return None

@@ -38,7 +38,7 @@ def lay_out(call: dict, plan: ForwardPlan) -> CPContext:
     """Rewrite `call` (in place) as the packed row of `plan` and return the forward's context: the row's samples,
     where its tokens came from in the caller's batch, the group, the split, the vision tokens and shares."""
     rows = _to_row(call, plan)
-    return CPContext(cp=plan.cp, segments=plan.segments, rows=rows, ulysses=plan.split.ulysses,
+    return CPContext(cp=plan.cp, segments=plan.segments, rows=rows, ulysses=plan.ulysses,
                      vision_tokens=plan.vision_tokens, vision_shares=plan.vision_shares,
                      cumulative_lengths=plan.cumulative_lengths)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..context import CPContext
+from ..context import CPContext, RowLayout, SliceIndex
 from .arguments import VISION
 
 # Per-token inputs of the row that the backbone reads, cut to the slice: (name, CP padding value). The ids'
@@ -27,24 +27,25 @@ def _text_token(config) -> int:
     return next(i for i in range(len(placeholders) + 1) if i not in placeholders)
 
 
-def _embeddings_of_slice(embeds: torch.Tensor, ctx: CPContext) -> torch.Tensor:
-    """This rank's slice (1, local, hidden) of caller-given embeddings: read from the caller's layout, CP padding
-    zero."""
-    if ctx.rows is None:
-        return ctx.shard(embeds, dim=1).clone()
-    local = ctx.rows.take(embeds, ctx.local_positions[: ctx.local_real_len])
-    return torch.nn.functional.pad(local, (0, 0, 0, ctx.local_pad_len))
+def _embeddings_of_slice(embeds: torch.Tensor, index: SliceIndex, rows: RowLayout | None) -> torch.Tensor:
+    """This rank's slice (1, local, hidden) of caller-given embeddings: read from the caller's layout (`rows`; None:
+    the call is the row already), CP padding zero."""
+    if rows is None:
+        return index.take(embeds, dim=1).clone()
+    return index.padded(rows.take(embeds, index.positions), dim=1)
 
 
 def cut_to_slice(model, call: dict, ctx: CPContext) -> None:
     """Rewrite the laid-out row in `call` (in place) as this rank's slice: ids, token types, embeddings and
-    positions (1, local, ...). Labels stay whole (the loss reads this rank's slice of them); the vision inputs
-    stay as given, each rank encoding its share (`forward/vision.py`). Copies, not views: a view would keep the
-    row's tensor alive until backward."""
+    positions (1, local, ...). The context is asked once which tokens the slice holds (`CPContext.slice_index`);
+    every tensor is cut by that index. Labels stay whole (the loss reads this rank's slice of them); the vision
+    inputs stay as given, each rank encoding its share (`forward/vision.py`). Copies, not views: a view would keep
+    the row's tensor alive until backward."""
+    index = ctx.slice_index
     for name, fill in SLICED:
         if call.get(name) is not None:
             fill = _text_token(model.config) if fill is None else fill
-            call[name] = ctx.shard(call[name], dim=1, value=fill).clone()
+            call[name] = index.take(call[name], dim=1, value=fill).clone()
     if call.get("inputs_embeds") is not None:
-        call["inputs_embeds"] = _embeddings_of_slice(call["inputs_embeds"], ctx)
-    call["position_ids"] = ctx.shard(call["position_ids"], dim=-1).clone()
+        call["inputs_embeds"] = _embeddings_of_slice(call["inputs_embeds"], index, ctx.rows)
+    call["position_ids"] = index.take(call["position_ids"], dim=-1).clone()

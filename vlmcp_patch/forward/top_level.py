@@ -31,6 +31,7 @@ from transformers.utils import ModelOutput
 
 from ..context import CPContext
 from ..distributed import active_cp_group
+from ..grad_shares import cp_forward_started
 from ..flags import BYPASS, FULL_LOGITS, TOKEN_LOG_PROBS
 from ..loss import IGNORE_INDEX, sharded_causal_lm_loss, token_log_probs_and_entropy
 from ..settings import SETTINGS
@@ -68,6 +69,7 @@ def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | Non
     ctx = lay_out(call, plan)
     ctx.groups  # the ring's process groups, created on every rank now (collective), before any compute
     cut_to_slice(model, call, ctx)
+    cp_forward_started(model)
     STATS.record(ctx)
     return ctx
 

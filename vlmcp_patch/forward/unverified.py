@@ -4,45 +4,21 @@ On a transformers release newer than those the package was checked on, a target 
 digest, a parameter gone). `PatchSet` then leaves that family stock and installs only `unverified_guard` on its
 top-level forwards: with CP off (or inside `vlmcp_patch.disabled()`) the call goes to stock untouched; under CP
 the first forward raises on every rank of the group before any compute (the agreement collective), naming the
-targets, the installed release and the newest release checked. `refusals.check_setup` gives the same refusal to the
-entry points that enter the CP forward themselves (TRL's fused head, `token_log_probs`).
+targets, the installed release and the newest release checked. The refusal itself is a rule
+(`refusals.unverified_problem`); the guard puts it in a plan and is the top that calls the agreement, as
+`top_level.enter_cp_forward` is for a verified family. `refusals.check_setup` gives the same refusal to the entry
+points that enter the CP forward themselves (TRL's fused head, `token_log_probs`).
 """
 
 from __future__ import annotations
 
-import transformers
-
-from ..compat import NEWEST
 from ..distributed import active_cp_group
-from ..errors import PatchTargetError, Problem
 from ..flags import BYPASS
 from .agreement import agree
 from .arguments import call_arguments
 from .batch import batch_device
 from .plan import CP, ForwardPlan
-
-
-def unverified_message(family: str) -> str | None:
-    """Why `family` cannot run under CP with the installed transformers, or None when all its targets verified."""
-    from ..patching import PATCHES  # patching is imported by everything; read it at call time
-
-    entries = PATCHES.unverified_for(family)
-    if not entries:
-        return None
-    targets = ", ".join(target for target, _ in entries)
-    details = " ".join(why.rstrip(".") + "." for _, why in entries)
-    return (
-        f"{family} models cannot run under CP with transformers {transformers.__version__}: the patch target(s) "
-        f"{targets} did not verify, and the newest release vlmcp-patch was checked on is transformers {NEWEST}. "
-        f"With CP off these models run as stock. To use CP, install transformers=={NEWEST} (or an older checked "
-        f"release) or a vlmcp-patch release checked on {transformers.__version__}; or set VLMCP_CP_SIZE=1. "
-        f"({details})"
-    )
-
-
-def unverified_problem(family: str | None) -> Problem | None:
-    message = None if family is None else unverified_message(family)
-    return None if message is None else Problem(PatchTargetError, message)
+from .refusals import unverified_problem
 
 
 def unverified_guard(family: str):

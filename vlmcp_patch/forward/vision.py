@@ -39,7 +39,8 @@ import sys
 
 import torch
 
-from ..collectives import exchange_rows, site
+from ..collectives.differentiable import exchange_rows
+from ..collectives.record import site
 from ..context import CTX_KWARG, CPContext, current_cp_forward
 from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
@@ -129,7 +130,7 @@ def _patch_tables(tower, grid: torch.Tensor, rows: slice) -> dict:
 
 def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionShare, cp: CPGroup,
                         kwargs: dict) -> tuple[object, torch.Tensor]:
-    """(tower output, joined features of the merged tokens `share.held_by_ranks()` gives this rank) of one contiguous
+    """(tower output, joined features of the merged tokens `share.held_by_ranks` gives this rank) of one contiguous
     slice of all items' patches, the tower's attention exchanging sequence for heads within each image's segments
     (module docstring)."""
     unit = tower.spatial_merge_size**2
@@ -149,7 +150,7 @@ def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, share: 
     out = tower(local, grid_thw=grid.to(placement["device"]), cu_seqlens=cu, max_seqlen=local_len,  # exchange
                 **tables, **kwargs, **{CTX_KWARG: vision_ctx})  # restores the global ones
     STATS.record_vision([min(local_len, max(0, sum(frames) - r * local_len)) for r in range(cp.size)], cp.rank)
-    return out, _joined_features(out)[: share.held_by_ranks()[cp.rank].numel()]
+    return out, _joined_features(out)[: share.held_by_ranks[cp.rank].numel()]
 
 
 def route_to_owners(local: torch.Tensor, held: list[torch.Tensor], owner: torch.Tensor, cp: CPGroup) -> torch.Tensor:
@@ -187,7 +188,7 @@ def features_of_slice(tower, pixels: torch.Tensor, grid: torch.Tensor, tokens: t
         return encode_every_item(tower, pixels, grid, owner, cp, kwargs)
     encode = encode_items if share.method == BY_ITEMS else encode_patch_slices
     out, local = encode(tower, pixels, grid, share, cp, kwargs)
-    return out, route_to_owners(local, share.held_by_ranks(), owner, cp)
+    return out, route_to_owners(local, share.held_by_ranks, owner, cp)
 
 
 def _split_joined(out, joined: torch.Tensor, deepstack_per_item: bool):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..distributed import cp_running, data_parallel_rank, data_parallel_world_size
 from ..flags import ONE_COPY_PER_CP_GROUP, scoped
+from ..grad_shares import reduced_by_wrapper
 from ..patching import Patch, cp_size
 from .setup import check_cp_setup, require_integration
 
@@ -28,7 +29,9 @@ def cp_prepare_model(wrapped, instance, args, kwargs):
     for package in ("accelerate", "transformers.trainer"):  # the Trainer's patches count only once it is imported
         require_integration(package)
     if cp_running():
-        check_cp_setup(args[0] if args else kwargs["model"])
+        model = args[0] if args else kwargs["model"]
+        check_cp_setup(model)
+        reduced_by_wrapper(model)  # DDP / FSDP2 sum its gradients over CP (the backward's scale below)
     return wrapped(*args, **kwargs)
 
 

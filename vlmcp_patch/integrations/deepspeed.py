@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ..distributed import cp_requested, data_parallel_rank, data_parallel_world_size, get_cp_group, world_group
 from ..flags import BATCH_SIZED_BY_ACCELERATE
 from ..forward.arguments import call_arguments
+from ..grad_shares import reduced_by_wrapper
 from ..patching import Patch
 from ..tiles import gather_whole_mlps_under_zero3
 from .setup import check_cp_setup, require_integration
@@ -82,6 +83,7 @@ def cp_deepspeed_initialize(wrapped, instance, args, kwargs):
             deepspeed.init_distributed()
         model = call_arguments(wrapped, args, kwargs).get("model")
         check_cp_setup(model)
+        reduced_by_wrapper(model)  # the engine sums its gradients over the CP groups given as its mpu
         gather_whole_mlps_under_zero3(model)  # before ZeRO-3 registers its hooks (tiles.py)
         kwargs["mpu"] = CPParallelState()
         if BATCH_SIZED_BY_ACCELERATE.get():

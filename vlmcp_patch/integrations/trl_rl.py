@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..collectives.communication import communicate
 from ..distributed import cp_running, data_parallel_rank, data_parallel_world_size, get_cp_group
 from ..errors import UnsupportedSetupError
 from ..flags import REPLICA_VIEW, SPLIT_ROLLOUT, scoped
@@ -84,7 +85,7 @@ def gather_objects_per_replica(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     objects = args[0] if args else kwargs["object"]
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, objects)
+    communicate("all-gather of TRL's objects", None, 1, lambda: dist.all_gather_object(everyone, objects))
     return [x for rank, part in enumerate(everyone) if rank % cp_size() == 0 for x in part]
 
 
@@ -137,7 +138,8 @@ def from_group_leader(value, with_random_state: bool = False):
     tensors on this rank's device); with `with_random_state`, that rank's torch random state too."""
     cp = get_cp_group()
     payload = [*_through_cpu(value), _random_state() if with_random_state else None]
-    dist.broadcast_object_list(payload, src=dist.get_rank() - cp.rank, group=cp.group)
+    communicate("broadcast from the group's first rank", cp.group, len(payload),
+                lambda: dist.broadcast_object_list(payload, src=dist.get_rank() - cp.rank, group=cp.group))
     if with_random_state:
         _set_random_state(payload[2])
     return _onto_this_rank(payload[0], payload[1])

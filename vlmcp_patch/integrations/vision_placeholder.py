@@ -13,8 +13,9 @@ unchanged, its gradients are exactly zero, and forward and backward visit the to
 as on the ranks with real images.
 
 It acts under CP with more than one replica (setting `match_vision_passes`, `VLMCP_MATCH_VISION_PASSES`:
-on under CP by default; `1` also at P=1; `0` never), in forwards with gradients, or whenever the vision
-weights are partitioned (ZeRO-3, FSDP2: evaluation gathers them too).
+on under CP by default; `1` also at P=1; `0` never), in every forward, with or without gradients: whether its
+all-reduce runs must not depend on a process's own state, such as its grad mode, or ranks in different modes would
+wait for each other.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..collectives.communication import communicate
 from ..distributed import (
     cp_requested,
     data_parallel_world_size,
     distributed_ready,
-    gathered_when_run,
     sharded_by_fsdp2,
     world_group,
 )
@@ -52,9 +53,9 @@ def matching_required(model) -> bool:
         # there (ZeRO-3 weights are gathered for the whole generation by TRL, DDP's are local)
         # (generate() runs inside `disabled()`: the configured CP size, not cp_requested())
         return bool(setting or SETTINGS.cp_size > 1) and sharded_by_fsdp2(model.visual)
-    if setting is None and not cp_requested():
-        return False
-    return torch.is_grad_enabled() or gathered_when_run(model.visual)
+    # not the grad mode, which is this process's own: whether the world all-reduce runs may depend only on what every
+    # rank shares (the settings, the launch); in a forward without gradients the placeholder pass costs one token
+    return bool(setting) or cp_requested()
 
 
 def missing_modalities(call: dict) -> frozenset:
@@ -63,7 +64,9 @@ def missing_modalities(call: dict) -> frozenset:
     encoded = call.get("mm_encoder_outputs") or {}
     here = [call.get(_INPUTS[m][0]) is not None and encoded.get(m) is None for m in _INPUTS]
     anywhere = torch.tensor(here, dtype=torch.int32, device=batch_device(call))
-    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=world_group())
+    group = world_group()
+    communicate("all-reduce of the modalities each replica encodes", group, anywhere.numel(),
+                lambda: dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=group))
     return frozenset(m for m, mine, any_rank in zip(_INPUTS, here, anywhere.tolist()) if any_rank and not mine)
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import gather_over_group
+from ..collectives.differentiable import gather_over_group
 from ..context import CPContext
 
 

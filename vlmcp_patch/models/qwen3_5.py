@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.heads import BSHD, kv_replication
-from ..collectives import all_to_all, module_site, run_ordered, site
+from ..collectives.differentiable import all_to_all
+from ..collectives.order import run_ordered
+from ..collectives.record import module_site, site
 from ..context import CTX_KWARG, CPContext
 from ..forward.arguments import call_arguments
 from ..offload import foreign_offload_problem
