@@ -22,5 +22,6 @@ def test_a_long_run_does_not_grow(config, cp_size):
         assert m["loss_err"] <= 1e-5, (rank, m)
         assert m["end"]["resident"] <= 1.05 * m["warm"]["resident"], (rank, m)
         assert m["end"]["tensors"] <= m["warm"]["tensors"], (rank, m)
-        # the debug record keeps only what the next comparison needs, not the run's thousands of collectives
-        assert m["issued"] > 1000 and m["debug_records"] == 0, (rank, m["issued"], m["debug_records"])
+        # the debug record keeps only what the next comparison needs (here the last step's gradient sums, which the
+        # next forward's check would compare), not the run's thousands of collectives
+        assert m["issued"] > 5000 and m["debug_records"] <= 200, (rank, m["issued"], m["debug_records"])
