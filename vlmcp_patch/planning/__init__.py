@@ -12,7 +12,7 @@ against measurements: docs/plan.md.
 
 The package, by concern: `dims` (model dimensions), `rows` (the row), `hardware` (GPUs and their links),
 `training` (the step's setup and the fitted constants), `layouts` (the package's U x R rules), `memory`, `timing`,
-`table` (the plan's rows and their marks), `printing` (the table and docs/plan.md's sizing table), `command`.
+`table` (the plan's rows and their marks), `longest` (the longest row on one node), `printing` (the table and docs/plan.md's sizing table), `command`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from .command import main
 from .dims import MODELS, ModelDims, dims_from_config, model_dims
 from .hardware import GIB, GPUS, Hardware, hardware
 from .layouts import candidate_sizes, layouts, package_ulysses, replicated
+from .longest import Longest, longest_lines, longest_row
 from .memory import (
     Memory,
     activation_memory,
@@ -31,7 +32,7 @@ from .memory import (
     static_memory,
     vision_elements,
 )
-from .printing import SIZING_MODELS, SIZING_TOKENS, assumptions, format_table, sizing_table
+from .printing import SIZING_MODELS, SIZING_TOKENS, assumptions, format_table, longest_table, sizing_table
 from .rows import Row
 from .table import PlanRow, mark, plan
 from .timing import (
@@ -51,6 +52,6 @@ __all__ = [
     "TILE_PASSES_FORWARD", "Constants", "Hardware", "Memory", "ModelDims", "PlanRow", "Row", "Time", "Training",
     "activation_memory", "all_to_all_seconds", "assumptions", "attention_elements", "candidate_sizes",
     "deltanet_elements", "deltanet_rule_elements", "dims_from_config", "exchange_elements", "format_table",
-    "hardware", "layouts", "link_gbs", "main", "mark", "model_dims", "package_ulysses", "plan", "replicated",
+    "hardware", "layouts", "Longest", "longest_lines", "longest_row", "link_gbs", "longest_table", "main", "mark", "model_dims", "package_ulysses", "plan", "replicated",
     "ring_tile_seconds", "sizing_table", "static_memory", "step_flops", "step_time", "vision_elements",
 ]

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 from .dims import MODELS, model_dims
 from .hardware import GPUS, hardware
-from .printing import format_table, sizing_table
+from .longest import longest_lines
+from .printing import format_table, longest_table, sizing_table
 from .rows import Row
 from .table import plan
 from .training import Training
@@ -54,13 +55,40 @@ def main(argv=None) -> int:
     tr.add_argument("--no-ring-overlap", dest="ring_overlap", action="store_false",
                     help="price the ring's passes as if each completed before its block is computed (the serial "
                     "schedule, collectives.OVERLAP = False)")
+    tr.add_argument("--offload-checkpoints", action="store_true",
+                    help="price VLMCP_OFFLOAD_CHECKPOINTS=1: the checkpointed inputs in host memory")
+    tr.add_argument("--no-mlp-tiles", dest="tiled_mlp", action="store_false",
+                    help="price VLMCP_MLP_TILE_TOKENS=0 (the MLPs whole; by default they run in tiles under CP)")
+    hw.add_argument("--host-link-gbs", type=float,
+                    help=f"host link per GPU and direction, GB/s (default {GPUS['h100'].host_gbs:g}: PCIe Gen5 x16, "
+                    "effective)")
+    hw.add_argument("--ring-hidden", type=float,
+                    help=f"share of the ring's transfer that overlap hides (default {GPUS['h100'].ring_hidden:g}, "
+                    "measured on CPU: docs/speed.md)")
     tr.add_argument("--chosen-only", action="store_true", help="only the package's layout at each P")
-    tr.add_argument("--sizing-table", action="store_true", help="print docs/plan.md's table and stop")
+    tr.add_argument("--longest", action="store_true",
+                    help="print only the longest row (video for a model with vision, else text) on one node of "
+                    "--gpus-per-node H100 and H200")
+    tr.add_argument("--sizing-table", action="store_true", help="print docs/plan.md's two tables and stop")
     a = p.parse_args(argv)
     if a.sizing_table:
         print(sizing_table(a.gpu, a.gpus_per_node))
+        print()
+        print(longest_table(a.gpus_per_node))
         return 0
     dims = model_dims(a.model)
+    training = Training(sharding=a.sharding, gradient_checkpointing=not a.no_gradient_checkpointing, dp=a.dp,
+                        offload_optimizer=a.offload_optimizer, freeze_vision=a.freeze_vision,
+                        ring_overlap=a.ring_overlap, offload_checkpoints=a.offload_checkpoints,
+                        tiled_mlp=a.tiled_mlp)
+    rates = {k: getattr(a, k) for k in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs",
+                                         "ib_gbs", "ring_hidden")}
+    rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None
+    rates["host_gbs"] = a.host_link_gbs
+    kind = "video" if dims.vision_depth else "text"
+    if a.longest:
+        print("\n".join(longest_lines(dims, kind, training, a.gpus_per_node, **rates)))
+        return 0
     if a.tokens:
         row = Row(tokens=a.tokens, sample_tokens=a.sample_tokens)
     elif a.video_tokens:
@@ -71,13 +99,10 @@ def main(argv=None) -> int:
         row = replace(row, sample_tokens=a.sample_tokens)
     else:
         p.error("give the row: --tokens, --video-tokens, or --text / --image / --video")
-    training = Training(sharding=a.sharding, gradient_checkpointing=not a.no_gradient_checkpointing, dp=a.dp,
-                        offload_optimizer=a.offload_optimizer, freeze_vision=a.freeze_vision,
-                        ring_overlap=a.ring_overlap)
-    rates = {k: getattr(a, k) for k in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs",
-                                         "ib_gbs")}
-    rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None
     rows = plan(dims, row, gpu=a.gpu, gpus_per_node=a.gpus_per_node, memory_gib=a.memory_gib, training=training,
                 sizes=a.sizes, max_gpus=a.max_gpus, all_layouts=not a.chosen_only, **rates)
     print(format_table(rows, dims, row, hardware(a.gpu, a.memory_gib, **rates), training, a.gpus_per_node))
+    if not a.memory_gib:  # the node's longest row, for the GPUs' own memory
+        print("\n".join(longest_lines(dims, "video" if row.vision_tokens else "text", training, a.gpus_per_node,
+                                      **rates)))
     return 0

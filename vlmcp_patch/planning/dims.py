@@ -36,6 +36,7 @@ class ModelDims:
     temporal_patch: int = 2
     merge: int = 2
     deepstack: int = 0  # Qwen3-VL's deepstack mergers
+    attention_gate: bool = False  # Qwen3.5 (`attn_output_gate`): q_proj also makes a gate of H x D per token
 
     @property
     def full_layers(self) -> int:
@@ -48,7 +49,8 @@ class ModelDims:
     # parameters ------------------------------------------------------------------------------------------
     def attention_params(self) -> int:
         h, d = self.hidden, self.head_dim
-        return h * d * (self.heads + 2 * self.kv_heads) + self.heads * d * h
+        gate = self.heads * d * h if self.attention_gate else 0  # q_proj's second half: the output gate
+        return h * d * (self.heads + 2 * self.kv_heads) + self.heads * d * h + gate
 
     def deltanet_params(self) -> int:
         h, k, v = self.hidden, self.linear_k_heads * self.linear_k_dim, self.linear_v_heads * self.linear_v_dim
@@ -82,13 +84,14 @@ MODELS: dict[str, ModelDims] = {
     "qwen3-vl-8b": ModelDims("qwen3-vl-8b", hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
                              intermediate=12288, vocab=151936, tied=False, vision_depth=27, vision_width=1152,
                              vision_intermediate=4304, vision_heads=16, deepstack=3),
-    # Qwen/Qwen3.5-27B config.json (from memory, see docs/plan.md): 5120 wide, 64 layers, 3 gated DeltaNet per
-    # softmax layer; softmax 24 / 4 heads of 256; DeltaNet 16 key / 48 value heads of 128, conv 4; MLP 17408;
-    # vocab 248320; vision as Qwen3-VL's (27 x 1152, patch 16), no deepstack.
+    # Qwen/Qwen3.5-27B config.json (the file itself is not in the code index; checked against copies of its text
+    # and vision configs in public code, docs/plan.md): 5120 wide, 64 layers, 3 gated DeltaNet per softmax layer;
+    # softmax 24 / 4 heads of 256 with the output gate (attn_output_gate); DeltaNet 16 key / 48 value heads of 128,
+    # conv 4; MLP 17408; vocab 248320, untied; vision 27 x 1152 (MLP 4304, 16 heads, patch 16), no deepstack.
     "qwen3.5-27b": ModelDims("qwen3.5-27b", hidden=5120, layers=64, heads=24, kv_heads=4, head_dim=256,
                              intermediate=17408, vocab=248320, tied=False, linear_layers=48, linear_k_heads=16,
                              linear_v_heads=48, linear_k_dim=128, linear_v_dim=128, vision_depth=27,
-                             vision_width=1152, vision_intermediate=4304, vision_heads=16),
+                             vision_width=1152, vision_intermediate=4304, vision_heads=16, attention_gate=True),
     # meta-llama/Llama-3.1-8B config.json: 4096 wide, 32 layers, 32 / 8 heads of 128, MLP 14336, vocab 128256.
     "llama-3.1-8b": ModelDims("llama-3.1-8b", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
                               intermediate=14336, vocab=128256, tied=False),
@@ -119,7 +122,20 @@ def dims_from_config(config, name: str = "config") -> ModelDims:
         vision_depth=vision.get("depth", 0), vision_width=vision.get("hidden_size", 0),
         vision_intermediate=vision.get("intermediate_size", 0), vision_heads=vision.get("num_heads", 0),
         patch=vision.get("patch_size", 16), temporal_patch=vision.get("temporal_patch_size", 2),
-        merge=vision.get("spatial_merge_size", 2), deepstack=len(vision.get("deepstack_visual_indexes") or []))
+        merge=vision.get("spatial_merge_size", 2), deepstack=len(vision.get("deepstack_visual_indexes") or []),
+        attention_gate=has_output_gate(as_dict, text))
+
+
+GATED_FAMILIES = ("qwen3_5", "qwen3_next")  # transformers' softmax attention there always makes the output gate
+
+
+def has_output_gate(config: dict, text: dict) -> bool:
+    """Whether the softmax attention's q_proj also makes an output gate (Qwen3.5, Qwen3-Next): the released
+    config.json says so (`attn_output_gate`); transformers' config object has no such field, its model type does."""
+    if "attn_output_gate" in text:
+        return bool(text["attn_output_gate"])
+    kind = str(text.get("model_type") or config.get("model_type") or "")
+    return kind.startswith(GATED_FAMILIES)
 
 
 def model_dims(model) -> ModelDims:

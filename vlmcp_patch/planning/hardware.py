@@ -23,6 +23,12 @@ class Hardware:
     ib_gbs: float
     latency_s: float = 20e-6
     usable: float = 0.92  # of memory_gib: the allocator's fragmentation and the CUDA context
+    # GB/s of the host link per GPU and direction, effective: the checkpoint offload's copies (PCIe Gen5 x16: 64 GB/s
+    # raw, ~50 effective; an assumption, not measured here — `--host-link-gbs`)
+    host_gbs: float = 50.0
+    # the share of the ring's transfer time the double buffer hides (at most one block's attention): 0.44 is the
+    # median of docs/speed.md's six CPU runs of `benchmarks.ring_overlap` (20-66 %); no GPU run yet (`--ring-hidden`)
+    ring_hidden: float = 0.44
     # G elements/s of one elementwise pass over fp32 tiles: the ring's block kernel under sdpa is tiled torch math
     # (memory-bound passes over each 512 x 512 tile), not a fused kernel; 0: not priced (flash-attn's varlen kernel)
     tile_gelems: float = 0.0

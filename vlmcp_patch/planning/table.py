@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from .dims import model_dims
 from .hardware import GIB, Hardware, hardware
 from .layouts import candidate_sizes, layouts, package_ulysses
-from .memory import Memory, activation_memory, static_memory
+from .memory import Memory, activation_memory, offloaded_optimizer, static_memory
 from .rows import Row
 from .timing import Time, step_time
 from .training import CALIBRATED, Constants, Training
@@ -32,10 +32,16 @@ class PlanRow:
     fastest: bool = False
     why: str = ""
     other_checkpointing_gib: float = 0.0  # the peak with gradient checkpointing switched the other way
+    ranks_per_node: int = 1  # this plan's ranks on one node (P x dp, at most the node's GPUs)
 
     @property
     def peak_gib(self) -> float:
         return self.memory.total / GIB
+
+    @property
+    def host_gib_per_node(self) -> float:
+        """Host memory one node needs for its ranks: the checkpoint pools and the offloaded optimizer."""
+        return self.memory.host_total * self.ranks_per_node / GIB
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -67,13 +73,15 @@ def plan(model="qwen3-vl-8b", row: Row | int = 131072, gpu: str | Hardware = "h1
                 continue
             memory = activation_memory(dims, row, t, c, size, ulysses)
             memory.weights, memory.gradients, memory.optimizer = weights, grads, optimizer
+            memory.host_optimizer = offloaded_optimizer(dims, t, size * t.dp)
             other = activation_memory(dims, row, flipped, c, size, ulysses)
             other.weights, other.gradients, other.optimizer = weights, grads, optimizer
             time = step_time(dims, row, t, hw, size, ulysses, gpus_per_node)
             rows.append(PlanRow(size=size, ulysses=ulysses, ring=ring, nodes=-(-size // gpus_per_node),
                                 tokens_per_rank=row.tokens // size, memory=memory, time=time,
                                 fits=memory.total <= hw.usable * hw.memory_gib * GIB, chosen=ulysses == chosen,
-                                other_checkpointing_gib=other.total / GIB))
+                                other_checkpointing_gib=other.total / GIB,
+                                ranks_per_node=min(size * t.dp, gpus_per_node)))
     mark(rows)
     return rows
 

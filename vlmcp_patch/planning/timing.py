@@ -23,20 +23,23 @@ class Time:
     ring_overlapped: float = 0.0  # what remains exposed with the passes overlapping the blocks' compute
     deltanet_state: float = 0.0
     sharding: float = 0.0  # ZeRO-3 / FSDP gathers and reduce-scatters left exposed after overlap with compute
+    offload_copies: float = 0.0  # the checkpoint offload's copies over the host link, both ways, if run alone
+    offload: float = 0.0  # what of them the compute does not hide
 
     overlap: bool = True  # the ring's passes overlap its blocks' compute (Training.ring_overlap)
 
     @property
     def total(self) -> float:
         ring = self.ring_overlapped if self.overlap else self.ring
-        return self.compute + self.all_to_all + ring + self.deltanet_state + self.sharding
+        return self.compute + self.all_to_all + ring + self.deltanet_state + self.sharding + self.offload
 
 
 
-def step_flops(d: ModelDims, row: Row, t: Training) -> dict[str, float]:
+def step_flops(d: ModelDims, row: Row, t: Training, tiled: bool = False) -> dict[str, float]:
     """FLOPs of one step over the whole row, by kind: matmul (projections, MLPs, head, vision tower), attention
     (causal, within samples; vision within items), deltanet (chunked delta rule). Backward = 2 x forward for
-    matmuls, 2.5 x for attention; checkpointing adds one more forward of the decoder and the tower."""
+    matmuls, 2.5 x for attention; checkpointing adds one more forward of the decoder and the tower; MLPs in tiles
+    (`tiled`) one more forward of every MLP (each tile recomputed in backward)."""
     n, patches = row.tokens, row.patches(d)
     linear = d.full_layers * d.attention_params() + d.linear_layers * d.deltanet_params() + d.layers * d.mlp_params()
     vision_block = 4 * d.vision_width**2 + 2 * d.vision_width * d.vision_intermediate
@@ -52,6 +55,9 @@ def step_flops(d: ModelDims, row: Row, t: Training) -> dict[str, float]:
     deltanet_fwd = d.linear_layers * n * d.linear_v_heads * (
         4 * d.linear_k_dim * d.linear_v_dim + 2 * chunk * (d.linear_k_dim + d.linear_v_dim))
     passes = 4 if t.gradient_checkpointing else 3  # forward, backward (2 x), recompute
+    if tiled:
+        mlps = 2 * n * d.layers * d.mlp_params() + 2 * patches * d.vision_depth * 2 * d.vision_width * d.vision_intermediate
+        matmul_fwd += mlps / passes  # one more forward of the MLPs, not of the rest
     return {"matmul": passes * matmul_fwd + 3 * head_fwd,
             "attention": (2.5 + (2 if t.gradient_checkpointing else 1)) * attention_fwd,
             "deltanet": passes * deltanet_fwd}
@@ -99,7 +105,7 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
     ranks apart: inside a node when P <= node). DeltaNet across a ring: two all-gathers per layer and pass of a
     fixed size. With checkpointing the forward exchanges run twice."""
     b, ring = t.bytes_per_value, size // ulysses
-    flops = step_flops(d, row, t)
+    flops = step_flops(d, row, t, tiled=t.tiled_mlp and size > 1)
     attention_s = flops["attention"] / hw.attention_tflops / 1e12 / size
     if compute_s is None:
         compute_s = (flops["matmul"] / hw.matmul_tflops + flops["deltanet"] / hw.deltanet_tflops) / 1e12 / size
@@ -125,12 +131,15 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
         backward = (4 * (ring - 1) + 2) * local * kv
         bw = link_gbs(hw, size, gpus_per_node) * 1e9
         out.ring = d.full_layers * (b * (forward + backward) / bw + (2 * (ring - 1) + 1) * hw.latency_s)
-        # overlapped: each of the (R - 1) passes hides behind one block's attention compute
-        out.ring_overlapped = max(0.0, out.ring - attention_s * (ring - 1) / ring)
+        # overlapped: each of the (R - 1) passes hides behind one block's attention compute, as far as measured
+        # (`Hardware.ring_hidden`: the share of the transfer the double buffer hid in benchmarks.ring_overlap)
+        out.ring_overlapped = out.ring - min(hw.ring_hidden * out.ring, attention_s * (ring - 1) / ring)
         if d.linear_layers:
             state = 4.0 * 2 * ring * (d.linear_v_heads / ulysses) * d.linear_k_dim * (d.linear_k_dim + d.linear_v_dim)
             out.deltanet_state = d.linear_layers * (forward_passes + 1) * 2 * (
                 state / bw + hw.latency_s * math.ceil(math.log2(ring)))
+    if t.offload_checkpoints and t.gradient_checkpointing:
+        out.offload_copies, out.offload = offload_seconds(d, row, t, hw, size, out.compute)
     if t.sharding in ("zero3", "fsdp"):  # gather forward (and recompute) and backward, reduce-scatter backward
         world = size * t.dp
         if world > 1:
@@ -138,3 +147,18 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
             comm = (forward_passes + 2) * b * d.params() * (world - 1) / world / bw
             out.sharding = max(0.0, comm - out.compute)
     return out
+
+
+def offload_seconds(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, compute_s: float) -> tuple[float, float]:
+    """(the copies' seconds, what stays exposed) of the checkpoint offload on one rank: every checkpointed input
+    but the last layer's goes to the host in forward and comes back in backward, at `hw.host_gbs` each way. The
+    copies run on a side stream: each layer's copy out hides behind the next layer's forward, each copy back behind
+    the recompute and backward of the layer after it. With checkpointing the forward is about a quarter of the
+    compute and the recompute with the backward three quarters; what a phase's copies exceed its compute by stays
+    exposed (layers priced alike: copies and compute both proportional to a layer's tokens)."""
+    b = t.bytes_per_value
+    local, patches = row.tokens / size, row.patches(d) / size
+    moved = b * (local * d.hidden * max(0, d.layers - 1) + patches * d.vision_width * d.vision_depth)
+    one_way = moved / (hw.host_gbs * 1e9)
+    exposed = max(0.0, one_way - compute_s / 4) + max(0.0, one_way - 3 * compute_s / 4)
+    return 2 * one_way, exposed
