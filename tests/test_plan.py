@@ -252,3 +252,16 @@ def test_an_overlapped_ring_counts_only_what_stays_exposed():
     plain, overlapped = (plan(**base, training=Training(ring_overlap=flag))[0] for flag in (False, True))
     assert plain.ring == 6 and plain.time.ring > plain.time.ring_overlapped
     assert overlapped.time.total == pytest.approx(plain.time.total - plain.time.ring + plain.time.ring_overlapped)
+
+
+def test_the_rings_hidden_share_is_the_measured_one():
+    """`Hardware.ring_hidden` is the median of the hidden shares docs/speed.md reports for
+    `benchmarks.ring_overlap` (its first table: U x R, tokens, old s, new s, new/old, wait old, wait new, hidden)."""
+    import statistics
+
+    text = (ROOT / "docs" / "speed.md").read_text().split("## The ring behind its compute", 1)[1]
+    block = re.search(r"```text\n(.*?)```", text, re.DOTALL)[1]
+    hidden = [int(m[1]) / 100 for m in re.finditer(r"^\s+\d+x\d+\s+\d+(?:\s+[\d.]+){5}\s+(\d+)%", block, re.M)]
+    assert len(hidden) == 6
+    for gpu in planning.GPUS.values():
+        assert gpu.ring_hidden == pytest.approx(statistics.median(hidden), abs=0.01)  # 0.44 for 44.5 %
