@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     tr.add_argument("--freeze-vision", action="store_true")
     tr.add_argument("--no-ring-overlap", dest="ring_overlap", action="store_false",
                     help="price the ring's passes as if each completed before its block is computed (the serial "
-                    "schedule, collectives.OVERLAP = False)")
+                    "schedule, VLMCP_RING_OVERLAP=0)")
     tr.add_argument("--offload-checkpoints", action="store_true",
                     help="price VLMCP_OFFLOAD_CHECKPOINTS=1: the checkpointed inputs in host memory")
     tr.add_argument("--no-mlp-tiles", dest="tiled_mlp", action="store_false",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..tiles import tile_tokens
 from .dims import ModelDims
 from .layouts import replicated
 from .rows import Row
@@ -25,18 +26,10 @@ def attention_elements(d: ModelDims, ulysses: int) -> float:
     return 4 * d.hidden + 2 * (hd + kv) + kv + (2 * hd + 2 * kv_rep) + hd + gate + 4 * d.intermediate
 
 
-MIN_TILE = 1024  # tokens: the package's smallest automatic MLP tile (`tiles.MIN_TILE`)
-
-
 def mlp_tile_tokens(tokens: int, hidden: int, width: int) -> int:
     """Tokens per tile of an MLP over `tokens` tokens whose intermediates hold `width` numbers per token: the
-    package's automatic rule (`tiles.tile_tokens`, issue 42's branch): equal tiles whose intermediates take at most
-    the slice's hidden states, each at least MIN_TILE tokens."""
-    if tokens <= 0:
-        return 0
-    proportional = math.ceil(tokens / max(1, width // hidden))
-    count = max(1, min(math.ceil(tokens / proportional), tokens // MIN_TILE))
-    return math.ceil(tokens / count)
+    package's own automatic rule (`tiles.tile_tokens`)."""
+    return tile_tokens(tokens, hidden, width) if tokens > 0 else 0
 
 
 def mlp_share(tokens: int, hidden: int, width: int, tiled: bool) -> float:

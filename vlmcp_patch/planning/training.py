@@ -29,7 +29,7 @@ class Training:
     freeze_vision: bool = False
     attention: str = "flash_attention_2"  # or "sdpa": the ring's blocks then run tiled fp32 torch math
     # the ring posts each pass before computing its block and waits after it (`collectives.start_pass`): only
-    # `Time.ring_overlapped` stays exposed; False prices the serial schedule (`collectives.OVERLAP = False`)
+    # `Time.ring_overlapped` stays exposed; False prices the serial schedule (`VLMCP_RING_OVERLAP=0`)
     ring_overlap: bool = True
 
 
