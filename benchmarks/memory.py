@@ -3,7 +3,8 @@ proportions, on a packed row of a given length: the step's peak and the longest 
 
     python -m benchmarks.memory [--model qwen3-vl|qwen3.5] [--sample text-heavy|image-heavy|video]
         [--tokens 8192] [--layers 12] [--scale 16] [--gradient-checkpointing] [--sizes 1 2 4 8] [--step sft|grpo]
-        [--stock] [--heads 4] [--loops host device]
+        [--stock] [--heads 4] [--loops host device] [--mlp-tile-tokens auto|0|N]
+        [--offload-checkpoints]
     python -m benchmarks.memory --longest 400 [--sample ...] [--gradient-checkpointing]   # MiB per rank
 
 The model has the released model's vocabulary, heads and widths divided by `--scale` (1: the released widths;
@@ -32,8 +33,10 @@ training loop (`--loops`, both by default; one process, a fresh count each):
   the peak is what the step adds (a rank's pixel share is then a view).
 
 It prints, for the busiest rank and each loop, that peak and R = P x peak(rank) / peak(P=1) (1.0: a perfect 1/P
-split), and for the host loop the bytes autograd saves for backward (the caller's batch left out), the vision
-patches the rank encoded against a perfect split, the tokens it held, and the step's wall-clock; with `--stock`,
+split), the bytes in the host pool of `--offload-checkpoints` (on the host, not in the device peak: its buffers are
+left out of it), and for the host loop the bytes autograd saves for backward (the caller's batch left out), the
+vision patches the rank encoded against a perfect split, the tokens it held, and the step's wall-clock; then each
+rank's device peak and host pool; with `--stock`,
 stock transformers on the same row beside P=1 (its sdpa builds an S x S mask for a packed row: slow on long rows).
 
 `--longest MIB` grows the row at each P until the busiest rank's peak crosses MIB (doubling, then bisecting to
@@ -148,7 +151,8 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, s
     batch = row_of(args.sample, tokens, model.config.vision_config.patch_size, args.dry_run)
     if stock:
         vlmcp_patch.revert()
-    vlmcp_patch.enable(cp_size=world_size)
+    vlmcp_patch.enable(cp_size=world_size, mlp_tile_tokens=args.mlp_tile_tokens,
+                       offload_checkpoints=args.offload_checkpoints)
     results = {}
     for loop in args.loops:
         model.zero_grad(set_to_none=True)  # each loop's step allocates its gradients anew
@@ -158,6 +162,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, s
 
 def _one_step(model, reference, batch: dict, args, loop: str, world_size: int, stock: bool) -> dict:
     """One counted step of `measure` for `loop` (module docstring)."""
+    from vlmcp_patch.offload import HOST_CHECKPOINTS
     from vlmcp_patch.stats import STATS
 
     STATS.drain()
@@ -177,11 +182,13 @@ def _one_step(model, reference, batch: dict, args, loop: str, world_size: int, s
     _, seconds = timed(step)
     facts = STATS.drain()  # per vision pass (a GRPO step encodes the pictures twice: reference and policy)
     grads = live.ids_of(p.grad for p in model.parameters())
+    host_pool = live.ids_of(HOST_CHECKPOINTS.pool.free)  # on the host, not the device (all free again after backward)
     patches = sum(int(batch[k].prod(-1).sum()) for k in ("image_grid_thw", "video_grid_thw") if k in batch)
     return {
         "saved": saved.total,
         "saved_by_module": dict(saved.by_module),
-        "peak": live.peak(excluded=grads) + batch_device_bytes(batch, 1 if stock else world_size, loop),
+        "peak": live.peak(excluded=grads | host_pool) + batch_device_bytes(batch, 1 if stock else world_size, loop),
+        "host": HOST_CHECKPOINTS.pool.reserved,
         "vision_patches": facts.get("cp_vision_patches_per_rank", patches),
         "all_patches": patches,
         "tokens_per_rank": facts.get("cp_tokens_per_rank", batch["input_ids"].shape[1]),
@@ -268,10 +275,11 @@ def peak_table(args) -> None:
           "(the first one's peak, R and saved bytes first)")
     other_headers = "".join(f" {loop + ' MiB':>11} {'R ' + loop:>8}" for loop in others)
     print(f"{'P':>9} {'peak MiB':>9} {'R peak':>7}" + other_headers
-          + f" {'saved MiB':>10} {'R saved':>8} {'patches':>8} {'patch ratio':>11} {'tokens/rank':>11} {'step s':>7}")
+          + f" {'host MiB':>9} {'saved MiB':>10} {'R saved':>8} {'patches':>8} {'patch ratio':>11} {'tokens/rank':>11}"
+          f" {'step s':>7}")
     if stock is not None:
         print(f"{'1 stock':>9} {stock['peak'] / MIB:>9.1f} {'':>7}" + "".join(f" {'':>11} {'':>8}" for _ in others)
-              + f" {stock['saved'] / MIB:>10.1f} {'':>8} {stock['vision_patches']:>8.0f} {'':>11} "
+              + f" {'':>9} {stock['saved'] / MIB:>10.1f} {'':>8} {stock['vision_patches']:>8.0f} {'':>11} "
               f"{stock['tokens_per_rank']:>11.0f} {stock['seconds']:>7.1f}")
     for size, per_rank in results.items():
         peak, saved = _busiest(per_rank, "peak"), _busiest(per_rank, "saved")
@@ -282,8 +290,11 @@ def peak_table(args) -> None:
             mine, theirs = _busiest(_of(runs[size], loop), "peak"), _busiest(_of(runs[base], loop), "peak")
             other_columns += f" {mine / MIB:>11.1f} {size * mine / theirs:>8.3f}"
         print(f"{size:>9} {peak / MIB:>9.1f} {size * peak / reference['peak']:>7.3f}{other_columns} "
-              f"{saved / MIB:>10.1f} {size * saved / reference['saved']:>8.3f} {patches:>8.0f} {patch_ratio:>11.3f} "
+              f"{_busiest(per_rank, 'host') / MIB:>9.1f} {saved / MIB:>10.1f} {size * saved / reference['saved']:>8.3f} {patches:>8.0f} {patch_ratio:>11.3f} "
               f"{_busiest(per_rank, 'tokens_per_rank'):>11.0f} {_busiest(per_rank, 'seconds'):>7.1f}")
+    for size, per_rank in results.items():
+        ranks = ", ".join(f"{r['peak'] / MIB:.1f} / {r['host'] / MIB:.1f}" for r in per_rank)
+        print(f"per rank at P={size} (device peak / host pool MiB): {ranks}")
     for size, per_rank in results.items():
         print(f"split: P={size} -> {_busiest(per_rank, 'tokens_per_rank'):.0f} tokens per rank of "
               f"{reference['tokens']}")
@@ -352,6 +363,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS,
                         help="host: the integrations' loop, pixel values on the host under CP; device: the whole "
                         "batch moved to the device by the caller (module docstring)")
+    parser.add_argument("--mlp-tile-tokens", default="auto", type=lambda v: v if v == "auto" else int(v),
+                        help="tokens per tile of the MLPs under CP (auto, or 0: untiled; VLMCP_MLP_TILE_TOKENS)")
+    parser.add_argument("--offload-checkpoints", action="store_true",
+                        help="the checkpoints in host memory (VLMCP_OFFLOAD_CHECKPOINTS; with --gradient-checkpointing)")
     parser.add_argument("--dry-run", action="store_true", help="the tiny test models on short rows")
     return parser
 

@@ -357,3 +357,40 @@ def test_callback_rejects_bad_setups_before_training():
             vlmcp_patch.check_cp_setup(build_model(tiny_qwen3_vl_config()))
     finally:
         vlmcp_patch.enable(cp_size=1)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The MLPs in tiles (vlmcp_patch/tiles.py) under each wrapper's gradient hooks: each parameter's gradient is summed
+# over the tiles and accumulated once, so DDP's buckets, ZeRO's reduce-scatters and FSDP2's reduce see one gradient.
+
+
+@INTEGRATION
+@pytest.mark.parametrize("wrapper", ["ddp", "zero2", "zero3", "fsdp2"])
+def test_tiled_mlps_train_like_p1_under_each_wrapper(wrapper, once):
+    if wrapper.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    extra, wrapped_by = WRAPPERS[wrapper]
+    run = _launch(f"tiles-{wrapper}", 2, 2, VL, extra, env={"VLMCP_MLP_TILE_TOKENS": "3"})
+    assert run.wrapper == wrapped_by
+    assert all(e["cp_mlp_tiles_per_call"] >= 3 for e in run.train), [e.get("cp_mlp_tiles_per_call") for e in run.train]
+    assert_trains_like(run, once(p1, VL))
+
+
+# Checkpoints in host memory (vlmcp_patch/offload.py) under each wrapper, with gradient checkpointing: the same
+# weights, bit for bit, as the same run with the checkpoints on the device.
+
+
+@INTEGRATION
+@pytest.mark.parametrize("wrapper", ["ddp", "zero3", "fsdp2"])
+def test_offloaded_checkpoints_train_bit_for_bit_like_checkpoints_on_the_device(wrapper):
+    if wrapper.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    extra, wrapped_by = WRAPPERS[wrapper]
+    extra = [*extra, *([] if "--gradient-checkpointing" in extra else ["--gradient-checkpointing"])]
+    on_device = _launch(f"checkpoints-{wrapper}", 2, 2, VL, extra)
+    on_host = _launch(f"offload-{wrapper}", 2, 2, VL, extra, env={"VLMCP_OFFLOAD_CHECKPOINTS": "1"})
+    assert on_host.wrapper == on_device.wrapper == wrapped_by
+    assert all(e["cp_host_pool_mib"] > 0 for e in on_host.train) and "cp_host_pool_mib" not in on_device.train[0]
+    assert on_host.weights.keys() == on_device.weights.keys()
+    assert all(torch.equal(on_host.weights[k], on_device.weights[k]) for k in on_host.weights)
+    assert [e["loss"] for e in on_host.train] == [e["loss"] for e in on_device.train]

@@ -2,7 +2,8 @@
 
 `import vlmcp_patch` installs the patches (unless `VLMCP_DISABLE=1`); `VLMCP_CP_SIZE=P` (or
 `vlmcp_patch.enable(cp_size=P)`) splits each sequence over blocks of P consecutive ranks. With CP off,
-every call goes to stock transformers untouched, except a batch in the documented packed-row convention.
+every call goes to stock transformers untouched, except a batch in the documented packed-row convention (and, when
+`VLMCP_OFFLOAD_CHECKPOINTS=1` is set, checkpoints that wait in host memory: the same bytes come back).
 """
 
 from __future__ import annotations

@@ -155,8 +155,9 @@ class Patch:
         is_method = inspect.isclass(parent) and inspect.isfunction(raw)
         if inspect.isclass(parent) and not is_method:
             raise PatchTargetError(f"patch target {self.target} is not a plain method ({type(raw).__name__})")
+        inherited = inspect.isclass(parent) and name not in vars(parent)  # e.g. a layer's `__call__`, nn.Module's
         setattr(parent, name, patched_function(raw if is_method else current, self.wrapper, is_method))
-        return lambda: setattr(parent, name, raw)
+        return (lambda: delattr(parent, name)) if inherited else (lambda: setattr(parent, name, raw))
 
 
 def patched_function(original: Callable, wrapper: Callable, is_method: bool) -> Callable:

@@ -10,6 +10,8 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_VISION_DP` | `vision_dp` | on | under CP, each rank encodes only its share of the images |
 | `VLMCP_MATCH_VISION_PASSES` | `match_vision_passes` | CP only | placeholder vision passes, replicas without images |
 | `VLMCP_LOSS_CHUNK` | `loss_chunk_tokens` | auto | tokens per chunk of the chunked LM head + loss under CP |
+| `VLMCP_MLP_TILE_TOKENS` | `mlp_tile_tokens` | auto | tokens per tile of the MLPs under CP (`tiles.py`; 0: off) |
+| `VLMCP_OFFLOAD_CHECKPOINTS` | `offload_checkpoints` | off | the layers' checkpoints kept on the host (`offload.py`) |
 | `VLMCP_SPLIT_ROLLOUTS` | `split_rollouts` | off | TRL's RL rollouts: each rank of a CP group generates its share |
 | `VLMCP_ULYSSES_SIZE` | `ulysses_size` | auto | U of P = U x R: ranks per all-to-all subgroup, in a node |
 | `VLMCP_TIMEOUT` | `timeout` | the user's | seconds a collective of the CP groups may wait before it raises |
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 from .errors import UnsupportedSetupError
 
+AUTO = "auto"  # a size the package chooses itself
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -45,6 +48,13 @@ def env_int(name: str, default: int) -> int:
 
 def env_float(name: str, default: float) -> float:
     return _env_number(name, default, float, "a number", "600")
+
+
+def env_tokens(name: str, default: int | str = AUTO) -> int | str:
+    """A token count from the environment, or `AUTO` (unset, or the word "auto")."""
+    if os.environ.get(name, "").strip().lower() == AUTO:
+        return AUTO
+    return _env_number(name, default, int, "a number of tokens (or auto)", "4096")
 
 
 def env_flag(name: str, default: bool | None = False) -> bool | None:
@@ -80,6 +90,12 @@ class Settings:
     # A ring's passes run behind the compute of its blocks (off: each pass waits where it starts, the schedule before
     # the overlap, which benchmarks/ring_overlap.py compares). Read by each ring attention call.
     ring_overlap: bool = True
+    # Tokens per tile of the decoder and vision MLPs under CP (`tiles.py`): AUTO sizes them from the slice and the
+    # MLP's widths (`tiles.tile_tokens`); 0 runs them untiled. Exact either way; CP off never tiles.
+    mlp_tile_tokens: int | str = AUTO
+    # Under CP and P=1 alike: the inputs gradient checkpointing saves for each decoder layer and vision block wait in
+    # host memory between forward and backward (`offload.py`). Exact: the same values come back.
+    offload_checkpoints: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
@@ -91,6 +107,12 @@ class Settings:
         if not isinstance(self.ulysses_size, int) or isinstance(self.ulysses_size, bool) or self.ulysses_size < 0:
             raise UnsupportedSetupError(
                 f"ulysses_size must be a positive integer (0: automatic), got {self.ulysses_size!r}")
+        tile = self.mlp_tile_tokens
+        if tile != AUTO and (not isinstance(tile, int) or isinstance(tile, bool) or tile < 0):
+            raise UnsupportedSetupError(
+                f"mlp_tile_tokens must be a non-negative integer (0: untiled) or {AUTO!r}, got {tile!r}")
+        if not isinstance(self.offload_checkpoints, bool):
+            raise UnsupportedSetupError(f"offload_checkpoints must be True or False, got {self.offload_checkpoints!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout < 0:
             raise UnsupportedSetupError(f"timeout must be a number of seconds >= 0, got {self.timeout!r}")
 
@@ -107,6 +129,8 @@ def _from_environment() -> Settings:
         timeout=env_float("VLMCP_TIMEOUT", 0),
         debug_collectives=env_flag("VLMCP_DEBUG_COLLECTIVES"),
         ring_overlap=env_flag("VLMCP_RING_OVERLAP", True),
+        mlp_tile_tokens=env_tokens("VLMCP_MLP_TILE_TOKENS"),
+        offload_checkpoints=env_flag("VLMCP_OFFLOAD_CHECKPOINTS"),
     )
     settings.validate()
     return settings
@@ -127,6 +151,8 @@ def enable(
     timeout: float | None = None,
     debug_collectives: bool | None = None,
     ring_overlap: bool | None = None,
+    mlp_tile_tokens: int | str | None = None,
+    offload_checkpoints: bool | None = None,
 ) -> Settings:
     """Change the settings for every following forward; arguments left out keep their value.
 
@@ -143,6 +169,8 @@ def enable(
         "timeout": timeout,
         "debug_collectives": debug_collectives,
         "ring_overlap": ring_overlap,
+        "mlp_tile_tokens": mlp_tile_tokens,
+        "offload_checkpoints": offload_checkpoints,
     }
     new = dataclasses.replace(SETTINGS, **{k: v for k, v in given.items() if v is not None})
     new.validate()

@@ -13,6 +13,8 @@ from ..forward.unverified import unverified_guard
 from ..forward.vision import cp_image_features, cp_video_features
 from ..patching import Patch, source_digest
 from ..supported import Family
+from ..offload import offloaded_checkpoint_call
+from ..tiles import DENSE_MLP_CLASSES, tiled_experts_forward, tiled_mlp
 
 TOP_LEVEL_PARAMS = ("input_ids", "attention_mask", "position_ids", CACHE_KEYWORDS, "labels", "logits_to_keep")
 
@@ -54,6 +56,54 @@ def family_patches(family: Family, text_params: tuple, image_features: ImageFeat
     if family.multimodal_model is not None and image_features is not None:
         patches += _vision_patches(family, image_features)
     return patches
+
+
+@dataclass(frozen=True)
+class MLPs:
+    """A family's token-wise MLP classes, run in sequence tiles under CP (`tiles.py`): the gated MLPs of its decoder
+    (dense layers, shared experts), its vision blocks' MLP, and its MoE experts."""
+
+    gated: tuple[str, ...] = ()
+    vision: tuple[str, ...] = ()
+    experts: tuple[str, ...] = ()
+
+
+# Each MLP's forward takes one tensor; its name has had these spellings.
+MLP_INPUT = ("x", "hidden_state", "hidden_states")
+EXPERTS_PARAMS = ("hidden_states", "top_k_index", "top_k_weights")
+_TILES_REASON = ("under CP: the MLP runs over sequence tiles of the rank's slice and is recomputed tile by tile in "
+                 "backward, each parameter's gradient summed over the tiles and delivered once (VLMCP_MLP_TILE_TOKENS)"
+                 ". It calls the stock forward per tile and relies on it being token-wise, which every MLP is: no "
+                 "upstream code is mirrored")
+
+
+def mlp_patches(family: Family, mlps: MLPs) -> list[Patch]:
+    """The tiled-MLP patches of `family`'s MLP classes (`tiles.py`)."""
+    DENSE_MLP_CLASSES.update(mlps.gated + mlps.vision)
+    dense = [(cls, tiled_mlp(intermediates=4), (MLP_INPUT,)) for cls in mlps.gated]
+    dense += [(cls, tiled_mlp(intermediates=2), (MLP_INPUT,)) for cls in mlps.vision]  # fc1, activation
+    experts = [(cls, tiled_experts_forward, EXPERTS_PARAMS) for cls in mlps.experts]
+    return [
+        Patch(target=family.target(cls, "forward"), wrapper=wrapper, reason=_TILES_REASON, expects=expects,
+              family=family.name)
+        for cls, wrapper, expects in dense + experts
+    ]
+
+
+def offload_patches(family: Family, checkpointed: tuple[str, ...]) -> list[Patch]:
+    """The patches that keep the checkpoints of `family`'s decoder layers and vision blocks (transformers'
+    `GradientCheckpointingLayer`s) on the host with `VLMCP_OFFLOAD_CHECKPOINTS` (`offload.py`). `__call__`, not
+    `forward`: transformers checkpoints the outermost `forward` of the class, and module hooks stay outside."""
+    return [
+        Patch(
+            target=family.target(cls, "__call__"),
+            wrapper=offloaded_checkpoint_call,
+            reason="with VLMCP_OFFLOAD_CHECKPOINTS: the input gradient checkpointing saves for this layer waits in a "
+            "host pool between forward and backward (copies on a side stream, prefetched in backward)",
+            family=family.name,
+        )
+        for cls in checkpointed
+    ]
 
 
 @functools.cache

@@ -32,9 +32,10 @@ from ..collectives.order import run_ordered
 from ..collectives.record import module_site, site
 from ..context import CTX_KWARG, CPContext
 from ..forward.arguments import call_arguments
+from ..offload import foreign_offload_problem
 from ..patching import Patch, source_digest
 from ..supported import Family, register
-from .base import ImageFeatures, family_patches
+from .base import ImageFeatures, MLPs, family_patches, mlp_patches, offload_patches
 from .deltanet_ring import conv_over_ring, delta_rule_over_ring
 
 
@@ -80,14 +81,20 @@ def kernelized_layer_problem(model) -> str | None:
     return None
 
 
+def cp_problem(model) -> str | None:
+    """What Qwen3.5 cannot run on the package's path: a kernelized DeltaNet layer, or checkpoint offload that is not
+    the package's (`offload.foreign_offload_problem`)."""
+    return kernelized_layer_problem(model) or foreign_offload_problem(model)
+
+
 FAMILIES = register(
     Family(
         "qwen3_5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"), "Qwen3_5TextModel", "Qwen3_5Model",
-        "Qwen3_5VisionModel", cp_check=kernelized_layer_problem,
+        "Qwen3_5VisionModel", cp_check=cp_problem,
     ),
     Family(
         "qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"), "Qwen3_5MoeTextModel",
-        "Qwen3_5MoeModel", "Qwen3_5MoeVisionModel", cp_check=kernelized_layer_problem,
+        "Qwen3_5MoeModel", "Qwen3_5MoeVisionModel", cp_check=cp_problem,
     ),
 )
 TEXT_MODEL_PARAMS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "use_cache")
@@ -327,10 +334,26 @@ def cp_gated_deltanet_forward(wrapped, instance, args, kwargs):
         return run_ordered(gated_deltanet_over_cp, instance, call["hidden_states"], call[CTX_KWARG])
 
 
+# The MLPs that run in sequence tiles under CP (`tiles.py`), per family: Qwen3.5-MoE's gated MLP is its shared expert.
+MLP_CLASSES = {
+    "qwen3_5": MLPs(gated=("Qwen3_5MLP",), vision=("Qwen3_5VisionMLP",)),
+    "qwen3_5_moe": MLPs(gated=("Qwen3_5MoeMLP",), vision=("Qwen3_5MoeVisionMLP",), experts=("Qwen3_5MoeExperts",)),
+}
+
+
+# The decoder layers and vision blocks whose checkpoints VLMCP_OFFLOAD_CHECKPOINTS keeps on the host (`offload.py`).
+CHECKPOINTED_LAYERS = {
+    "qwen3_5": ("Qwen3_5DecoderLayer", "Qwen3_5VisionBlock"),
+    "qwen3_5_moe": ("Qwen3_5MoeDecoderLayer", "Qwen3_5MoeVisionBlock"),
+}
+
+
 def patches() -> list[Patch]:
     out = []
     for family in FAMILIES:
         out += family_patches(family, TEXT_MODEL_PARAMS, IMAGE_FEATURES)
+        out += mlp_patches(family, MLP_CLASSES[family.name])
+        out += offload_patches(family, CHECKPOINTED_LAYERS[family.name])
         prefix = family.text_model.removesuffix("TextModel")
         out.append(
             Patch(

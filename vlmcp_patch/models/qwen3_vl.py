@@ -8,15 +8,17 @@ and stock's placement builds the rows of that slice.
 
 from __future__ import annotations
 
+from ..offload import foreign_offload_problem
 from ..patching import Patch
 from ..supported import Family, register
-from .base import ImageFeatures, family_patches
+from .base import ImageFeatures, MLPs, family_patches, mlp_patches, offload_patches
 
 FAMILIES = register(
-    Family("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "Qwen3VLTextModel", "Qwen3VLModel", "Qwen3VLVisionModel"),
+    Family("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "Qwen3VLTextModel", "Qwen3VLModel", "Qwen3VLVisionModel",
+           cp_check=foreign_offload_problem),
     Family(
         "qwen3_vl_moe", ("Qwen3VLMoeForConditionalGeneration",), "Qwen3VLMoeTextModel", "Qwen3VLMoeModel",
-        "Qwen3VLMoeVisionModel",
+        "Qwen3VLMoeVisionModel", cp_check=foreign_offload_problem,
     ),
 )
 TEXT_MODEL_PARAMS = ("inputs_embeds", "position_ids", "visual_pos_masks", "deepstack_visual_embeds")
@@ -33,5 +35,25 @@ IMAGE_FEATURES = ImageFeatures(
 )
 
 
+# The MLPs that run in sequence tiles under CP (`tiles.py`), per family.
+MLP_CLASSES = {
+    "qwen3_vl": MLPs(gated=("Qwen3VLTextMLP",), vision=("Qwen3VLVisionMLP",)),
+    "qwen3_vl_moe": MLPs(gated=("Qwen3VLMoeTextMLP",), vision=("Qwen3VLMoeVisionMLP",),
+                         experts=("Qwen3VLMoeTextExperts",)),
+}
+
+
+# The decoder layers and vision blocks whose checkpoints VLMCP_OFFLOAD_CHECKPOINTS keeps on the host (`offload.py`).
+CHECKPOINTED_LAYERS = {
+    "qwen3_vl": ("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"),
+    "qwen3_vl_moe": ("Qwen3VLMoeTextDecoderLayer", "Qwen3VLMoeVisionBlock"),
+}
+
+
 def patches() -> list[Patch]:
-    return [patch for family in FAMILIES for patch in family_patches(family, TEXT_MODEL_PARAMS, IMAGE_FEATURES)]
+    return [
+        patch for family in FAMILIES
+        for patch in [*family_patches(family, TEXT_MODEL_PARAMS, IMAGE_FEATURES),
+                      *mlp_patches(family, MLP_CLASSES[family.name]),
+                      *offload_patches(family, CHECKPOINTED_LAYERS[family.name])]
+    ]

@@ -1,0 +1,130 @@
+"""Checkpoints in host memory (`vlmcp_patch/offload.py`): steps with and without `offload_checkpoints`, in-process and
+inside the spawned ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.cases import MULTI_IMAGE, VIDEO_AND_IMAGE, build_batch
+from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
+
+CONFIGS = {"qwen3_vl": tiny_qwen3_vl_config, "qwen3_5": tiny_qwen3_5_config}
+LAYOUTS = {"qwen3_vl": MULTI_IMAGE, "qwen3_5": VIDEO_AND_IMAGE}
+
+
+def checkpointed_model(family: str, reentrant: bool, offload: bool = False):
+    """The tiny model of `family` with gradient checkpointing (transformers' own offload=True when `offload`: 5.23+),
+    training."""
+    model = build_model(CONFIGS[family](), seed=1)
+    if offload:
+        model.activation_checkpointing_enable({"use_reentrant": reentrant}, offload=True)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return model.train()
+
+
+def refusal(model, batch: dict) -> str:
+    """The UnsupportedSetupError a step raises (before any compute), or "ran"."""
+    from vlmcp_patch.errors import UnsupportedSetupError
+
+    try:
+        step(model, batch)
+    except UnsupportedSetupError as exc:
+        return str(exc)
+    return "ran"
+
+
+def accelerate_offloaded_model():
+    """The tiny Qwen3-VL as Accelerate's FSDP2 `activation_checkpointing_offload` leaves its decoder layers: torch's
+    checkpoint wrapper inside its offload wrapper (`save_on_cpu` around each layer)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
+
+    model = build_model(CONFIGS["qwen3_vl"](), seed=1)
+    layers = model.model.language_model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = offload_wrapper(checkpoint_wrapper(layer, preserve_rng_state=False))
+    return model.train()
+
+
+def step(model, batch: dict) -> tuple[torch.Tensor, dict]:
+    """Loss and gradients of one forward + backward."""
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def checkpointed_layers(model) -> list[torch.nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def layer_calls(model, batch: dict) -> int:
+    """Calls of checkpointed layers in one forward (a tower runs once per modality)."""
+    calls = []
+    hooks = [layer.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in checkpointed_layers(model)]
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return len(calls)
+
+
+def inputs_between_forward_and_backward(model, batch: dict) -> dict:
+    """After the forward, before the backward: how many of the checkpointed layers' inputs are still alive (on the
+    device: on a CPU run, the tensors the layers were called with), and the host pool's bytes in use then and after
+    the backward."""
+    from vlmcp_patch.offload import HOST_CHECKPOINTS
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    inputs = []  # weak references to the inputs' memory (not to the tensor objects: a view keeps the memory alive)
+    hooks = [layer.register_forward_pre_hook(lambda _, args: inputs.append(StorageWeakRef(args[0].untyped_storage())))
+             for layer in checkpointed_layers(model)]
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        alive, in_use = sum(not ref.expired() for ref in inputs), HOST_CHECKPOINTS.pool.in_use
+        loss.backward()
+        del loss
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {"inputs": len(inputs), "alive": alive, "host_bytes": in_use,
+            "host_bytes_after": HOST_CHECKPOINTS.pool.in_use}
+
+
+def run_offload_cases(rank: int, world_size: int) -> dict:
+    """Per family and checkpointing kind: the CP step with `offload_checkpoints` against the CP step without (bit for
+    bit, on this rank), what the hooks did; and transformers' own offload under CP (refused before compute)."""
+    import vlmcp_patch
+    from vlmcp_patch.offload import HOST_CHECKPOINTS
+
+    vlmcp_patch.enable(cp_size=world_size)
+    results = {}
+    try:
+        for family in CONFIGS:
+            for reentrant in (False, True):
+                model, batch = checkpointed_model(family, reentrant), build_batch(LAYOUTS[family], seed=7)
+                loss, grads = step(model, batch)
+                vlmcp_patch.enable(offload_checkpoints=True)
+                HOST_CHECKPOINTS.counts.drain()
+                try:
+                    offloaded_loss, offloaded_grads = step(model, batch)
+                finally:
+                    vlmcp_patch.enable(offload_checkpoints=False)
+                results[f"{family} reentrant={reentrant}"] = {
+                    "identical": bool(torch.equal(loss, offloaded_loss)) and grads.keys() == offloaded_grads.keys()
+                    and all(torch.equal(grads[n], offloaded_grads[n]) for n in grads),
+                    "counts": HOST_CHECKPOINTS.counts.drain(),
+                    "calls": layer_calls(model, batch),
+                }
+        batch = build_batch(MULTI_IMAGE, seed=7)
+        results["transformers offload"] = refusal(checkpointed_model("qwen3_vl", False, offload=True), batch)
+        results["accelerate offload"] = refusal(accelerate_offloaded_model(), batch)
+    finally:
+        vlmcp_patch.enable(cp_size=1)
+    return results

@@ -1,0 +1,104 @@
+"""The decoder and vision MLPs (dense and MoE experts) in sequence tiles under CP (`vlmcp_patch/tiles.py`): exact
+against stock at P=1 with several tiles really run, each parameter's gradient accumulated once per backward, and
+nothing changed with CP off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.harness import run_distributed
+from tests.helpers.parity import TOL
+from tests.helpers.tile_cases import CASES, run_tile_cases, stock_step
+from vlmcp_patch.tiles import TILES, TokenwiseTiles, tile_bounds, tile_tokens
+
+
+def tiles_run(cp_size: int):
+    return run_distributed(run_tile_cases, cp_size, timeout=600)
+
+
+@pytest.mark.parametrize("cp_size", sorted(CASES))
+def test_tiled_mlps_equal_stock(cp_size, once):
+    for rank, per_case in enumerate(once(tiles_run, cp_size)):
+        for case, m in per_case.items():
+            where = f"{case}, P={cp_size}, rank {rank}"
+            assert m["loss_err"] <= TOL and m["logits_err"] <= TOL, where
+            assert m["grad_err"] <= TOL, f"{where}: {m['worst_grad']}"
+            assert m["missing_grads"] == [], where
+            tiles = m["tiles"]
+            # every tiled call cut its tokens in at least two tiles; on average several
+            assert tiles["calls"] > 0 and tiles["forward_tiles"] >= 3 * tiles["calls"], (where, tiles)
+            assert tiles["backward_tiles"] > 0, (where, tiles)
+            # one accumulation per parameter per backward: stock's, then CP's
+            assert m["accumulations"] == [2], (where, m["accumulations"])
+
+
+def test_cp_off_is_stock_bit_for_bit(reapply):
+    """With CP off (P=1) a small tile changes nothing: no tile runs, the loss and every gradient equal stock's bit
+    for bit."""
+    import vlmcp_patch
+    from tests.helpers.tile_cases import _model_and_batch
+
+    model, batch = _model_and_batch("qwen3_vl", "moe_multi_image")
+    vlmcp_patch.revert()
+    ref_loss, ref_grads = stock_step(model, batch)
+    vlmcp_patch.apply()
+    vlmcp_patch.enable(cp_size=1, mlp_tile_tokens=2)
+    TILES.drain()
+    try:
+        loss, grads = stock_step(model, batch)
+    finally:
+        vlmcp_patch.enable(mlp_tile_tokens="auto")
+    assert TILES.drain()["calls"] == 0
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+
+
+def test_tiles_sum_each_parameter_gradient_before_delivering_it():
+    """The function alone: outputs and input gradients per tile, parameter gradients summed over the tiles and
+    accumulated once — an accumulation per tile (DeepSpeed TiledMLP's problem) would fire the hook five times."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.GELU(), torch.nn.Linear(24, 8))
+    x = torch.randn(37, 8, requires_grad=True)
+    mlp(x).square().sum().backward()
+    expected = [p.grad.clone() for p in mlp.parameters()] + [x.grad.clone()]
+    mlp.zero_grad(set_to_none=True)
+    x.grad = None
+    fired = []
+    for p in mlp.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    TILES.drain()
+    TokenwiseTiles.apply(mlp.forward, tile_bounds(37, 8), 1, x, *mlp.parameters()).square().sum().backward()
+    assert TILES.drain() == {"calls": 1, "forward_tiles": 5, "backward_tiles": 5}
+    assert len(fired) == 4  # two weights, two biases: once each
+    for got, want in zip([p.grad for p in mlp.parameters()] + [x.grad], expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens, configured, expected", [
+    (100_000, "auto", 8334),  # 12 tiles: a tile's intermediates (4 x 3 x hidden per token) within the hidden states
+    (5_000, "auto", 1250),  # the tile's floor, MIN_TILE, in equal tiles
+    (700, "auto", 700),  # shorter than a tile: one tile, the stock forward
+    (100, 7, 7),
+    (100, 0, 100),  # 0: untiled
+])
+def test_tile_size(tokens, configured, expected):
+    assert tile_tokens(tokens, hidden_size=1024, intermediate_width=4 * 3072, configured=configured) == expected
+
+
+def test_a_zero3_mlp_gathering_child_by_child_runs_untiled_unless_it_is_a_leaf():
+    """Under ZeRO-3 each child Linear of an MLP gathers its weight at its own call: tiles would issue one gather per
+    tile, differing between ranks. Such an MLP runs whole; made a ZeRO-3 leaf (what the package's DeepSpeed
+    integration does before `deepspeed.initialize`) it is tiled."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextMLP
+
+    from vlmcp_patch.fixtures.models import tiny_qwen3_vl_config
+    from vlmcp_patch.tiles import _zero3_gathers_per_child_call, gather_whole_mlps_under_zero3
+
+    mlp = Qwen3VLTextMLP(tiny_qwen3_vl_config().text_config)
+    assert not _zero3_gathers_per_child_call(mlp)
+    for i, p in enumerate(mlp.parameters()):
+        p.ds_id = i  # as ZeRO-3 partitions them
+    assert _zero3_gathers_per_child_call(mlp)
+    gather_whole_mlps_under_zero3(torch.nn.Sequential(mlp))
+    assert mlp._z3_leaf and not _zero3_gathers_per_child_call(mlp)

@@ -1,0 +1,107 @@
+"""Checkpoints in host memory (`VLMCP_OFFLOAD_CHECKPOINTS`, `vlmcp_patch/offload.py`): bit-identical to checkpointing
+without it, reentrant and not, at P=1 and under CP; the saved inputs really leave the device between forward and
+backward; the host pool is reused across steps; transformers' and Accelerate's own offload refused under CP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.cases import build_batch
+from tests.helpers.harness import run_distributed
+from tests.helpers.offload_cases import (
+    LAYOUTS,
+    checkpointed_layers,
+    checkpointed_model,
+    inputs_between_forward_and_backward,
+    layer_calls,
+    run_offload_cases,
+    step,
+)
+from vlmcp_patch.offload import HOST_CHECKPOINTS
+
+
+@pytest.fixture
+def offloading(reapply):
+    import vlmcp_patch
+
+    vlmcp_patch.enable(offload_checkpoints=True)
+    HOST_CHECKPOINTS.counts.drain()
+    yield
+    vlmcp_patch.enable(offload_checkpoints=False)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("family", list(LAYOUTS))
+def test_offload_is_bit_identical_to_checkpointing(family, reentrant, reapply):
+    import vlmcp_patch
+
+    model, batch = checkpointed_model(family, reentrant), build_batch(LAYOUTS[family], seed=7)
+    loss, grads = step(model, batch)
+    vlmcp_patch.enable(offload_checkpoints=True)
+    HOST_CHECKPOINTS.counts.drain()
+    try:
+        first = step(model, batch)
+        reserved = HOST_CHECKPOINTS.pool.reserved
+        second = step(model, batch)
+    finally:
+        vlmcp_patch.enable(offload_checkpoints=False)
+    for offloaded_loss, offloaded_grads in (first, second):
+        assert torch.equal(loss, offloaded_loss)
+        assert grads.keys() == offloaded_grads.keys()
+        assert all(torch.equal(grads[n], offloaded_grads[n]) for n in grads)
+    counts, calls = HOST_CHECKPOINTS.counts.drain(), 2 * layer_calls(model, batch)
+    # per step: every checkpointed call's input but the last one's to the host and back, prefetched in backward
+    assert counts["kept"] == 2 and counts["offloaded"] == counts["restored"] == calls - 2
+    assert 0 < counts["prefetched"] <= counts["restored"]
+    assert HOST_CHECKPOINTS.pool.reserved == reserved > 0  # the second step reused the first one's buffers
+    assert HOST_CHECKPOINTS.pool.in_use == 0
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_saved_inputs_wait_on_the_host_between_forward_and_backward(offload, reapply):
+    """Between forward and backward, only the last layer's input is still alive on the device; the others are bytes
+    in the host pool, given back after backward. Without offload every input is alive (the control: this test fails
+    when the switch does nothing)."""
+    import vlmcp_patch
+
+    model, batch = checkpointed_model("qwen3_5", reentrant=False), build_batch(LAYOUTS["qwen3_5"], seed=7)
+    vlmcp_patch.enable(offload_checkpoints=offload)
+    try:
+        seen = inputs_between_forward_and_backward(model, batch)
+    finally:
+        vlmcp_patch.enable(offload_checkpoints=False)
+    assert seen["inputs"] == layer_calls(model, batch) > 2
+    if offload:
+        assert seen["alive"] == 1
+        assert seen["host_bytes"] > 0 and seen["host_bytes_after"] == 0
+    else:
+        assert seen["alive"] == seen["inputs"] and seen["host_bytes"] == 0
+
+
+def test_offload_off_leaves_every_call_as_it_was(reapply):
+    model, batch = checkpointed_model("qwen3_vl", reentrant=False), build_batch(LAYOUTS["qwen3_vl"], seed=7)
+    HOST_CHECKPOINTS.counts.drain()
+    step(model, batch)
+    assert set(HOST_CHECKPOINTS.counts.drain().values()) == {0}
+
+
+def offload_run(cp_size: int):
+    return run_distributed(run_offload_cases, cp_size, timeout=600)
+
+
+def test_offload_under_cp_is_bit_identical(once):
+    for rank, per_case in enumerate(once(offload_run, 2)):
+        for case, m in per_case.items():
+            if "offload" in case:
+                continue
+            assert m["identical"], f"{case}, rank {rank}"
+            # (a rank's placeholder vision pass, a few patches, is below offload.MIN_BYTES and stays)
+            counts = m["counts"]
+            assert counts["kept"] == 1 and 0 < counts["offloaded"] == counts["restored"] <= m["calls"] - 1, (case, m)
+
+
+@pytest.mark.parametrize("theirs", ["transformers offload", "accelerate offload"])
+def test_foreign_offload_is_refused_under_cp_before_compute(theirs, once):
+    for per_case in once(offload_run, 2):
+        assert "VLMCP_OFFLOAD_CHECKPOINTS=1" in per_case[theirs], per_case[theirs]

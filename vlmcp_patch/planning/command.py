@@ -1,0 +1,108 @@
+"""`python -m vlmcp_patch plan ...`: the command line of the cost model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .dims import MODELS, model_dims
+from .hardware import GPUS, hardware
+from .longest import longest_lines
+from .printing import format_table, longest_table, sizing_table
+from .rows import Row
+from .table import plan
+from .training import Training
+
+DESCRIPTION = ("Plan before you book: a cost model of one CP training step — per-rank peak memory and step time — "
+               "for each CP")
+
+def _pixels(text: str, parts: int) -> tuple[int, ...]:
+    values = tuple(int(v) for v in text.lower().split("x"))
+    if len(values) != parts:
+        raise ValueError(f"{text!r}: expected {parts} numbers joined by x")
+    return values
+
+
+def main(argv=None) -> int:
+    """`python -m vlmcp_patch plan ...`: print the table for one model and row."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m vlmcp_patch plan", description=DESCRIPTION)
+    p.add_argument("--model", default="qwen3-vl-8b",
+                   help=f"{', '.join(MODELS)}, tiny-qwen3-vl, tiny-qwen3.5, or a config.json (file or folder)")
+    what = p.add_argument_group("the row (one of: --tokens, --video-tokens, or --text / --image / --video)")
+    what.add_argument("--tokens", type=int, help="a text row of this many tokens (one sample)")
+    what.add_argument("--video-tokens", type=int, help="a row of one video (448 x 448 frames) of this many tokens")
+    what.add_argument("--text", type=int, default=0, help="text tokens beside --image / --video")
+    what.add_argument("--image", action="append", default=[], help="HxW pixels; repeat for more")
+    what.add_argument("--video", action="append", default=[], help="FRAMESxHxW pixels; repeat for more")
+    what.add_argument("--sample-tokens", type=int, default=0, help="the longest packed sample (default: the row)")
+    hw = p.add_argument_group("the cluster")
+    hw.add_argument("--gpu", default="h100", choices=list(GPUS))
+    hw.add_argument("--gpus-per-node", type=int, default=8)
+    hw.add_argument("--memory-gib", type=float, help="GPU memory (default: the GPU's)")
+    hw.add_argument("--max-gpus", type=int, default=128)
+    hw.add_argument("--sizes", type=int, nargs="+", help="CP sizes to price (default: 1, 2, 4, then whole nodes)")
+    for name in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs", "ib_gbs"):
+        hw.add_argument("--" + name.replace("_", "-"), type=float,
+                        help="attained rate (benchmarks.gpu_check prints it)")
+    hw.add_argument("--latency-us", type=float, help="per collective step, microseconds")
+    tr = p.add_argument_group("training")
+    tr.add_argument("--sharding", default="zero3", choices=["none", "zero1", "zero2", "zero3", "fsdp"])
+    tr.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the CP group (ZeRO shards over all)")
+    tr.add_argument("--no-gradient-checkpointing", action="store_true")
+    tr.add_argument("--offload-optimizer", action="store_true")
+    tr.add_argument("--freeze-vision", action="store_true")
+    tr.add_argument("--no-ring-overlap", dest="ring_overlap", action="store_false",
+                    help="price the ring's passes as if each completed before its block is computed (the serial "
+                    "schedule, VLMCP_RING_OVERLAP=0)")
+    tr.add_argument("--offload-checkpoints", action="store_true",
+                    help="price VLMCP_OFFLOAD_CHECKPOINTS=1: the checkpointed inputs in host memory")
+    tr.add_argument("--no-mlp-tiles", dest="tiled_mlp", action="store_false",
+                    help="price VLMCP_MLP_TILE_TOKENS=0 (the MLPs whole; by default they run in tiles under CP)")
+    hw.add_argument("--host-link-gbs", type=float,
+                    help=f"host link per GPU and direction, GB/s (default {GPUS['h100'].host_gbs:g}: PCIe Gen5 x16, "
+                    "effective)")
+    hw.add_argument("--ring-hidden", type=float,
+                    help=f"share of the ring's transfer that overlap hides (default {GPUS['h100'].ring_hidden:g}, "
+                    "measured on CPU: docs/speed.md)")
+    tr.add_argument("--chosen-only", action="store_true", help="only the package's layout at each P")
+    tr.add_argument("--longest", action="store_true",
+                    help="print only the longest row (video for a model with vision, else text) on one node of "
+                    "--gpus-per-node H100 and H200")
+    tr.add_argument("--sizing-table", action="store_true", help="print docs/plan.md's two tables and stop")
+    a = p.parse_args(argv)
+    if a.sizing_table:
+        print(sizing_table(a.gpu, a.gpus_per_node))
+        print()
+        print(longest_table(a.gpus_per_node))
+        return 0
+    dims = model_dims(a.model)
+    training = Training(sharding=a.sharding, gradient_checkpointing=not a.no_gradient_checkpointing, dp=a.dp,
+                        offload_optimizer=a.offload_optimizer, freeze_vision=a.freeze_vision,
+                        ring_overlap=a.ring_overlap, offload_checkpoints=a.offload_checkpoints,
+                        tiled_mlp=a.tiled_mlp)
+    rates = {k: getattr(a, k) for k in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs",
+                                         "ib_gbs", "ring_hidden")}
+    rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None
+    rates["host_gbs"] = a.host_link_gbs
+    kind = "video" if dims.vision_depth else "text"
+    if a.longest:
+        print("\n".join(longest_lines(dims, kind, training, a.gpus_per_node, **rates)))
+        return 0
+    if a.tokens:
+        row = Row(tokens=a.tokens, sample_tokens=a.sample_tokens)
+    elif a.video_tokens:
+        row = replace(Row.video(a.video_tokens, patch=dims.patch, merge=dims.merge), sample_tokens=a.sample_tokens)
+    elif a.text or a.image or a.video:
+        row = Row.from_items(a.text, [_pixels(i, 2) for i in a.image], [_pixels(v, 3) for v in a.video],
+                             dims.patch, dims.merge, dims.temporal_patch)
+        row = replace(row, sample_tokens=a.sample_tokens)
+    else:
+        p.error("give the row: --tokens, --video-tokens, or --text / --image / --video")
+    rows = plan(dims, row, gpu=a.gpu, gpus_per_node=a.gpus_per_node, memory_gib=a.memory_gib, training=training,
+                sizes=a.sizes, max_gpus=a.max_gpus, all_layouts=not a.chosen_only, **rates)
+    print(format_table(rows, dims, row, hardware(a.gpu, a.memory_gib, **rates), training, a.gpus_per_node))
+    if not a.memory_gib:  # the node's longest row, for the GPUs' own memory
+        print("\n".join(longest_lines(dims, "video" if row.vision_tokens else "text", training, a.gpus_per_node,
+                                      **rates)))
+    return 0

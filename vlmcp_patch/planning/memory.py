@@ -1,0 +1,226 @@
+"""Memory: per-rank peak bytes by part — weights, gradients and optimizer under the sharding, the saved activations
+(element counts per token or patch, by layer kind, times fitted constants), the recomputed layer's working set, the
+head's chunk, the exchange buffers and the row's integers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..tiles import tile_tokens
+from .dims import ModelDims
+from .layouts import replicated
+from .rows import Row
+from .training import Constants, Training
+
+
+def attention_elements(d: ModelDims, ulysses: int) -> float:
+    """Saved for backward per local token by one softmax-attention decoder layer, without checkpointing: the two
+    norms' inputs and outputs (4h), q and k before and after their norms and rope (2 x (H + H_kv) D), v, the
+    kernel's head-sharded q, k, v and output (with KV replication for U), the output projection's input, and the
+    SwiGLU MLP's gate, up, activation and product (4 I); with an output gate (Qwen3.5) the gate and the gated
+    output (2 H D)."""
+    hd, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    kv_rep = replicated(d.kv_heads, d.heads, ulysses) * d.head_dim
+    gate = 2 * hd if d.attention_gate else 0
+    return 4 * d.hidden + 2 * (hd + kv) + kv + (2 * hd + 2 * kv_rep) + hd + gate + 4 * d.intermediate
+
+
+def mlp_tile_tokens(tokens: int, hidden: int, width: int) -> int:
+    """Tokens per tile of an MLP over `tokens` tokens whose intermediates hold `width` numbers per token: the
+    package's own automatic rule (`tiles.tile_tokens`)."""
+    return tile_tokens(tokens, hidden, width) if tokens > 0 else 0
+
+
+def mlp_share(tokens: int, hidden: int, width: int, tiled: bool) -> float:
+    """The share of a slice's MLP intermediates alive at once while its layer is recomputed: one tile's when the
+    MLP runs in tiles, else all of them."""
+    return mlp_tile_tokens(tokens, hidden, width) / tokens if tiled and tokens else 1.0
+
+
+def deltanet_elements(d: ModelDims, ulysses: int) -> float:
+    """The same for one gated DeltaNet layer: norms (4h); the projections' outputs (q, k, v, z, b, a); after the
+    exchange the conv's input, output and activation for this rank's channels (key heads replicated for U), the
+    L2-normed q and k, the gates; the chunked delta rule's per-token intermediates (its 64-token chunk matrices
+    and the per-chunk states, H_v d_k d_v / 64 per token); the core output, its gated norm (3 x) and the output
+    projection's input; the MLP (4 I)."""
+    k = d.linear_k_heads * d.linear_k_dim
+    k_rep = replicated(d.linear_k_heads, d.linear_v_heads, ulysses) * d.linear_k_dim
+    v, hv = d.linear_v_heads * d.linear_v_dim, d.linear_v_heads
+    projections = 2 * k + 2 * v + 2 * hv
+    conv = 3 * (2 * k_rep + v)
+    rule = deltanet_rule_elements(d, ulysses)
+    out = v + 3 * v + v
+    return 4 * d.hidden + projections + conv + rule + out + 4 * d.intermediate
+
+
+def deltanet_rule_elements(d: ModelDims, ulysses: int) -> float:
+    """Per local token, the chunked delta rule's own saved elements: L2-normed q and k (key heads replicated for
+    U), the two gates, its 64-token chunk matrices (64 per head) and the per-chunk states (H_v d_k d_v / 64)."""
+    k_rep = replicated(d.linear_k_heads, d.linear_v_heads, ulysses) * d.linear_k_dim
+    hv = d.linear_v_heads
+    return 2 * k_rep + 2 * hv + 64 * hv + hv * d.linear_k_dim * d.linear_v_dim / 64
+
+
+def vision_elements(d: ModelDims) -> float:
+    """Saved per patch by one vision block: norms (4w), qkv (3w), the attention kernel's q, k, v, output (4w), the
+    projection's input (w), the MLP's input, hidden, activation (w + 2 I_v); the merger's share is per merged
+    token and counted with the deepstack features."""
+    w = d.vision_width
+    return 13 * w + 2 * d.vision_intermediate
+
+
+@dataclass
+class Memory:
+    """Per-rank peak memory, bytes, by part."""
+
+    weights: float = 0.0  # parameters held (sharded, plus ZeRO-3's gathered working layers)
+    gradients: float = 0.0
+    optimizer: float = 0.0  # master weights and moments
+    activations: float = 0.0  # saved for backward (with checkpointing: the checkpoints)
+    working: float = 0.0  # the recomputed layer's working set (checkpointing), else 0
+    head: float = 0.0  # one chunk of fp32 logits and its companions
+    head_weight: float = 0.0  # beside the head's chunk: the head weight's fp32 gradient, ZeRO-3's gathered lm_head
+    host: float = 0.0  # the checkpoint offload's host pool of this rank (not on the device: not in `total`)
+    host_optimizer: float = 0.0  # the optimizer offloaded to the host (not in `total`)
+    exchange: float = 0.0  # all-to-all send/receive buffers, ring K/V in flight, DeltaNet state gathers
+    batch: float = 0.0  # the row's integer tensors (whole row on every rank)
+
+    @property
+    def total(self) -> float:
+        """The peak: what lives through the step, plus the larger of two transients that are never alive together —
+        one layer's working set with its exchange buffers (during that layer) and the head's chunk with the head
+        weight's fp32 gradient (at the end of the forward, where the fused head makes its gradient)."""
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.batch
+                + max(self.working + self.exchange, self.head + self.head_weight))
+
+    @property
+    def host_total(self) -> float:
+        """Host bytes this rank needs: the checkpoint pool and the offloaded optimizer."""
+        return self.host + self.host_optimizer
+
+
+
+def static_memory(d: ModelDims, t: Training, world: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per rank under the named sharding over `world` ranks, bf16 weights
+    and gradients, fp32 Adam (12 bytes per trained parameter). ZeRO-3 / FSDP also hold the layers being gathered:
+    two decoder layers' weights (the one computing and the one prefetched)."""
+    n = d.params()
+    trained = n - (d.vision_params() if t.freeze_vision else 0)
+    b = t.bytes_per_value
+    optimizer = 0.0 if t.offload_optimizer else 12.0 * trained
+    layer = d.attention_params() + d.mlp_params()
+    sharding = "zero3" if t.sharding == "fsdp" else t.sharding
+    if sharding == "none":
+        return b * n, b * trained, optimizer
+    if sharding == "zero1":
+        return b * n, b * trained, optimizer / world
+    if sharding == "zero2":
+        return b * n, b * trained / world, optimizer / world
+    if sharding == "zero3":
+        return b * n / world + 2 * b * layer, b * trained / world, optimizer / world
+    raise ValueError(f"sharding {t.sharding!r}: one of none, zero1, zero2, zero3, fsdp")
+
+
+def offloaded_optimizer(d: ModelDims, t: Training, world: int) -> float:
+    """Host bytes per rank of an offloaded optimizer: fp32 master weights and two moments of its share of the
+    trained parameters (the sharding's share; all of them without ZeRO)."""
+    if not t.offload_optimizer:
+        return 0.0
+    trained = d.params() - (d.vision_params() if t.freeze_vision else 0)
+    return 12.0 * trained / (1 if t.sharding == "none" else world)
+
+
+def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: int, ulysses: int) -> Memory:
+    """Activation-side bytes of the busiest rank: the slice's tokens (row / P, padded), the rank's share of the
+    vision patches (balanced: an even split), the fused head's chunk, the exchange buffers, the row's integers;
+    with the checkpoint offload, the host pool (`Memory.host`). The MLPs run in tiles where the package tiles them
+    (`t.tiled_mlp` and P > 1): without checkpointing their intermediates are not kept; with it one tile's are in
+    the recomputed layer's working set."""
+    b = t.bytes_per_value
+    ring = size // ulysses
+    local = math.ceil(row.tokens / (size if ring == 1 else 2 * size)) * (1 if ring == 1 else 2)
+    patches = math.ceil(row.patches(d) / size)
+    vision_local = math.ceil(row.vision_tokens / size)
+    att, dn = attention_elements(d, ulysses), deltanet_elements(d, ulysses) if d.linear_layers else 0.0
+    vis = vision_elements(d) if d.vision_depth else 0.0
+    tiled = t.tiled_mlp and size > 1
+    if tiled:  # the MLPs' intermediates (4 I per token, 2 I_v per patch) are kept per tile, or not at all
+        keep = mlp_share(local, d.hidden, 4 * d.intermediate, tiled) if t.gradient_checkpointing else 0.0
+        att -= (1 - keep) * 4 * d.intermediate
+        dn = dn - (1 - keep) * 4 * d.intermediate if dn else 0.0
+        if vis:
+            keep_v = (mlp_share(patches, d.vision_width, 2 * d.vision_intermediate, tiled)
+                      if t.gradient_checkpointing else 0.0)
+            vis -= (1 - keep_v) * 2 * d.vision_intermediate
+    features = vision_local * d.hidden * (1 + d.deepstack)  # merged + deepstack features routed to this rank
+    # DeltaNet across a ring (models/deltanet_ring.py): a chunk continuing a sample runs the delta rule twice more
+    # for its transfer (B from a zero state, M from the identity), and autograd keeps both runs' intermediates
+    ring_rule = 2 * deltanet_rule_elements(d, ulysses) if (ring > 1 and d.linear_layers) else 0.0
+    dn += ring_rule
+    attention_x, deltanet_x = exchange_elements(d, t, local, ulysses, ring)
+    m = Memory()
+    if not t.gradient_checkpointing:
+        m.activations = b * local * (d.full_layers * c.attention * att + d.linear_layers * c.deltanet * dn)
+        m.activations += b * (patches * d.vision_depth * c.vision * vis + features)
+        m.exchange = b * max(attention_x, deltanet_x)  # transient, one layer's at a time
+    else:
+        decoder, vision = b * local * d.hidden * d.layers, b * patches * d.vision_width * d.vision_depth
+        if t.offload_checkpoints:  # all but the last layer's input go to the host; one more in flight / prefetched
+            stay = b * local * d.hidden * min(2, d.layers)
+            m.host = decoder - b * local * d.hidden + vision  # the pool: every input but the last layer's
+            decoder, vision = stay, 0.0
+        m.activations = decoder + vision + b * features
+        # one layer is recomputed at a time: its activations, the gradient flowing through it (2 hidden states)
+        # and its own exchange buffers — the largest of the layer kinds and the vision block
+        gradient = 2 * d.hidden
+        kinds = [(local * (c.attention_work * att + gradient), attention_x)] if d.full_layers else []
+        if d.linear_layers:
+            kinds.append((local * (c.deltanet_work * dn + gradient), deltanet_x))
+        if d.vision_depth:
+            kinds.append((patches * (c.vision_work * vis + 2 * d.vision_width), 0.0))
+        working, exchange = max(kinds, key=sum)
+        m.working, m.exchange = b * working, b * exchange
+    # the fused head: one chunk of fp32 logits (turned into their gradient in place), its bf16 copy for the
+    # gradient matmuls and that copy's fp32 cast for the weight's gradient, the slice's hidden-state gradient in
+    # fp32; a stock head keeps the slice's fp32 logits, their softmax and gradient (3 x)
+    from ..loss import chunk_tokens  # torch at call time only
+
+    if t.stock_head:
+        m.head = 3 * 4.0 * local * d.vocab + 4.0 * local * d.hidden
+    else:
+        chunk = chunk_tokens(local, d.hidden, d.vocab)  # the package's own rule
+        # the cast back to the head's dtype, and for the weight's fp32 gradient its fp32 copy again (`.T.float()`);
+        # both no-ops in fp32
+        copy = b + 4 if b < 4 else 0
+        m.head = (4 + copy) * chunk * d.vocab + 4.0 * local * d.hidden
+    # the head weight's gradient, fp32 (`loss._accumulate_head_grads`), made in the forward and handed to autograd
+    # at the start of backward; under ZeRO-3 the whole lm_head gathered while the head runs
+    m.head_weight = 4.0 * d.vocab * d.hidden
+    if t.sharding in ("zero3", "fsdp") and size * t.dp > 1:
+        m.head_weight += b * d.vocab * d.hidden
+    m.batch = 32.0 * row.tokens  # ids, labels, positions, token types: int64, whole row
+    return m
+
+
+def exchange_elements(d: ModelDims, t: Training, local: int, ulysses: int, ring: int) -> tuple[float, float]:
+    """(softmax layer, DeltaNet layer) exchange buffers of a rank, in elements of the activations' dtype: the
+    all-to-all's send and receive buffers (q, k, v; DeltaNet's q, k, v and gates), across a ring the K/V in flight
+    and the next, under sdpa the ring's fp32 tiles (scores, masked scores and probabilities alive at once), and the
+    DeltaNet (M, B) of every chunk (2R chunks x H_v / U heads x d_k x (d_k + d_v), fp32)."""
+    b = t.bytes_per_value
+    hd, kv = d.heads * d.head_dim, replicated(d.kv_heads, d.heads, ulysses) * d.head_dim
+    attention = 2 * local * (hd + 2 * kv) if ulysses > 1 else 0.0
+    deltanet = 0.0
+    if d.linear_layers and ulysses > 1:
+        k_rep = replicated(d.linear_k_heads, d.linear_v_heads, ulysses) * d.linear_k_dim
+        deltanet = 2 * local * (2 * k_rep + d.linear_v_heads * d.linear_v_dim + 2 * d.linear_v_heads)
+    if ring > 1:
+        attention += 4 * local * kv
+        if t.attention == "sdpa":
+            tile = min(512, local * ulysses)
+            attention += (4 / b) * 3 * tile * tile * (d.heads // ulysses)
+        if d.linear_layers:
+            deltanet += (4 / b) * 2 * ring * (d.linear_v_heads / ulysses) * d.linear_k_dim * (
+                d.linear_k_dim + d.linear_v_dim)
+    return attention, deltanet

@@ -1,0 +1,132 @@
+"""The plan: a PlanRow per P and U x R, priced, with its marks (the smallest P that fits, the fastest layout that
+fits) and why each row wins or loses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .dims import model_dims
+from .hardware import GIB, Hardware, hardware
+from .layouts import candidate_sizes, layouts, package_ulysses
+from .memory import Memory, activation_memory, offloaded_optimizer, static_memory
+from .rows import Row
+from .timing import Time, step_time
+from .training import CALIBRATED, Constants, Training
+
+
+@dataclass
+class PlanRow:
+    """One (P, U x R) of the plan. `fits`: the predicted peak within the GPU's usable memory; `chosen`: the layout
+    the package picks at this P; `smallest` / `fastest`: the marks of the table; `why`: why it loses (or wins)."""
+
+    size: int
+    ulysses: int
+    ring: int
+    nodes: int
+    tokens_per_rank: int
+    memory: Memory
+    time: Time
+    fits: bool = False
+    chosen: bool = False
+    smallest: bool = False
+    fastest: bool = False
+    why: str = ""
+    other_checkpointing_gib: float = 0.0  # the peak with gradient checkpointing switched the other way
+    ranks_per_node: int = 1  # this plan's ranks on one node (P x dp, at most the node's GPUs)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.memory.total / GIB
+
+    @property
+    def host_gib_per_node(self) -> float:
+        """Host memory one node needs for its ranks: the checkpoint pools and the offloaded optimizer."""
+        return self.memory.host_total * self.ranks_per_node / GIB
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_rank / self.time.total if self.time.total else 0.0
+
+
+
+def plan(model="qwen3-vl-8b", row: Row | int = 131072, gpu: str | Hardware = "h100", gpus_per_node: int = 8,
+         memory_gib: float | None = None, training: Training | None = None, sizes=None, max_gpus: int = 128,
+         all_layouts: bool = True, constants: Constants | None = None, **rates) -> list[PlanRow]:
+    """The table: a PlanRow per P and per U x R the heads allow (only the package's choice if not `all_layouts`).
+
+    `row`: a Row, or a token count (one text sample). `gpu`: "h100", "h200" or a Hardware; `memory_gib` and
+    `rates` (matmul_tflops, attention_tflops, deltanet_tflops, nvlink_gbs, ib_gbs, latency_s) override its fields.
+    Marks: `smallest` on the package's layout at the smallest P that fits; `fastest` on the row of highest tokens/s
+    per GPU among all rows that fit (any P, any layout); every row's `why` says why it wins or loses."""
+    dims = model_dims(model)
+    row = Row.text(row) if isinstance(row, int) else row
+    hw = hardware(gpu, memory_gib, **rates)
+    t = training or Training()
+    c = constants or CALIBRATED
+    rows: list[PlanRow] = []
+    flipped = replace(t, gradient_checkpointing=not t.gradient_checkpointing)
+    for size in sizes or candidate_sizes(gpus_per_node, max_gpus):
+        chosen = package_ulysses(dims, size, gpus_per_node)
+        weights, grads, optimizer = static_memory(dims, t, size * t.dp)
+        for ulysses, ring in layouts(dims, size):
+            if not all_layouts and ulysses != chosen:
+                continue
+            memory = activation_memory(dims, row, t, c, size, ulysses)
+            memory.weights, memory.gradients, memory.optimizer = weights, grads, optimizer
+            memory.host_optimizer = offloaded_optimizer(dims, t, size * t.dp)
+            other = activation_memory(dims, row, flipped, c, size, ulysses)
+            other.weights, other.gradients, other.optimizer = weights, grads, optimizer
+            time = step_time(dims, row, t, hw, size, ulysses, gpus_per_node)
+            rows.append(PlanRow(size=size, ulysses=ulysses, ring=ring, nodes=-(-size // gpus_per_node),
+                                tokens_per_rank=row.tokens // size, memory=memory, time=time,
+                                fits=memory.total <= hw.usable * hw.memory_gib * GIB, chosen=ulysses == chosen,
+                                other_checkpointing_gib=other.total / GIB,
+                                ranks_per_node=min(size * t.dp, gpus_per_node)))
+    mark(rows)
+    return rows
+
+
+def mark(rows: list[PlanRow]) -> None:
+    """The smallest P that fits (the package's layout), the fastest layout that fits, and why each other loses."""
+    fitting = [r for r in rows if r.fits and r.chosen]
+    smallest = min(fitting, key=lambda r: r.size) if fitting else None
+    fastest = max((r for r in rows if r.fits), key=lambda r: r.tokens_per_s_per_gpu, default=None)
+    if smallest:
+        smallest.smallest = True
+    if fastest:
+        fastest.fastest = True
+    picked = {r.size: r.ulysses for r in rows if r.chosen}
+    for r in rows:
+        r.why = _why(r, smallest, fastest, picked.get(r.size))
+
+
+def _why(r: PlanRow, smallest: PlanRow | None, fastest: PlanRow | None, picked: int | None = None) -> str:
+    """Why a row wins or loses: what overflows memory, or how much slower per GPU than the fastest and which
+    exchange costs it that, and whether the package would pick this layout at this P."""
+    if not r.fits:
+        m = r.memory
+        parts = {"weights+grads+optimizer": m.weights + m.gradients + m.optimizer,
+                 "activations": m.activations + m.working, "head": m.head, "exchange buffers": m.exchange}
+        return f"does not fit: {max(parts, key=parts.get)} dominate"
+    notes = []
+    if r is smallest:
+        notes.append("smallest P that fits")
+    if r is fastest:
+        notes.append("fastest per GPU")
+    elif fastest is not None:
+        loss = 1 - r.tokens_per_s_per_gpu / fastest.tokens_per_s_per_gpu
+        tm = r.time
+        parts = {"all-to-all": tm.all_to_all, "ring": tm.ring_overlapped if tm.overlap else tm.ring,
+                 "DeltaNet state": tm.deltanet_state,
+                 "ZeRO-3 gathers": tm.sharding}
+        worst = max(parts, key=parts.get)
+        if loss < 0.005:
+            notes.append("as fast per GPU as the fastest")
+        elif parts[worst] > 0.01 * tm.total:
+            notes.append(f"{loss:.0%} slower per GPU: {worst} {parts[worst] / tm.total:.0%} of its step")
+        else:
+            notes.append(f"{loss:.0%} slower per GPU")
+    if not r.chosen:
+        notes.append(f"not the package's layout at this P (it takes U={picked})" if picked else
+                     "not the package's layout at this P")
+    return "; ".join(notes)

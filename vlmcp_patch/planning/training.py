@@ -1,0 +1,54 @@
+"""How the step trains (sharding, checkpointing, offload, tiling) and the activation constants fitted on
+measurements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Training:
+    """How the step trains. `sharding`: none (DDP), zero1, zero2, zero3, fsdp (= zero3); optimizer Adam with fp32
+    master weights (16 bytes per trained parameter: bf16 weight and gradient, fp32 master, two moments);
+    `dp` data-parallel replicas of the CP group (ZeRO / FSDP shard over P x dp ranks); `offload_optimizer`: the
+    optimizer states and master weights live in host memory (DeepSpeed offload); `offload_checkpoints`: the
+    package's checkpoint offload (`VLMCP_OFFLOAD_CHECKPOINTS`): each checkpointed decoder layer's and vision block's
+    input waits in a host pool between forward and backward, the last layer's input and the one prefetched stay on
+    the device; `tiled_mlp`: the MLPs in sequence tiles (`VLMCP_MLP_TILE_TOKENS`, automatic tiles), which the
+    package does under CP only (P > 1) — False prices `VLMCP_MLP_TILE_TOKENS=0`; `stock_head`: full-vocabulary
+    fp32 logits (a head without chunking)."""
+
+    sharding: str = "zero3"
+    gradient_checkpointing: bool = True
+    dp: int = 1
+    bytes_per_value: int = 2
+    offload_optimizer: bool = False
+    offload_checkpoints: bool = False
+    tiled_mlp: bool = True
+    stock_head: bool = False
+    freeze_vision: bool = False
+    attention: str = "flash_attention_2"  # or "sdpa": the ring's blocks then run tiled fp32 torch math
+    # the ring posts each pass before computing its block and waits after it (`collectives.start_pass`): only
+    # `Time.ring_overlapped` stays exposed; False prices the serial schedule (`VLMCP_RING_OVERLAP=0`)
+    ring_overlap: bool = True
+
+
+@dataclass(frozen=True)
+class Constants:
+    """Multipliers on the element counts below, fitted on this CPU at P=1 (`benchmarks.plan_check`) and checked at
+    P > 1: `attention`, `deltanet`, `vision` on the saved activations of a layer / block without checkpointing;
+    `*_work` on the working set of the one layer (block) recomputed at a time with checkpointing."""
+
+    attention: float = 1.0
+    deltanet: float = 1.0
+    vision: float = 1.0
+    attention_work: float = 1.0
+    deltanet_work: float = 1.0
+    vision_work: float = 1.0
+
+
+# Fitted by `python -m benchmarks.plan_check --fit` on this repository's CPU runs (fp32, torch's sdpa and its
+# pure-torch delta rule; docs/plan.md "checked against measurements"). The DeltaNet ones carry the torch fallback's
+# intermediates: with flash-linear-attention's kernels on a GPU they overestimate.
+CALIBRATED = Constants(attention=1.154, deltanet=2.308, vision=1.122, attention_work=1.790, deltanet_work=2.491,
+                       vision_work=1.830)

@@ -1,0 +1,206 @@
+"""The MLPs in sequence tiles under CP: never the whole slice's intermediates at once.
+
+An MLP is token-wise: each output row depends on its own input row only (the dense MLPs; the MoE experts given each
+token's routing). So it can run over tiles of the rank's tokens, one after the other, and produce exactly the rows
+the whole slice would. `TokenwiseTiles` does that in forward without keeping any tile's intermediates (the
+activations of `intermediate_size` per token, 4-12x the hidden states, are the largest tensors of a recomputed
+layer), and in backward recomputes each tile and back-propagates it before the next one.
+
+Each parameter's gradient is accumulated over the tiles inside the function and returned once, as the gradient of
+that input: autograd then accumulates it into `.grad` once per backward, so the hooks of DDP, ZeRO-2/3 and FSDP2
+(which fire when a parameter's gradient is accumulated) see one gradient, as with the untiled MLP.
+
+Tile size (`tile_tokens`): `mlp_tile_tokens` when set; else equal tiles whose intermediates take at most the memory
+of the slice's hidden states (`INTERMEDIATE_PER_HIDDEN`) and hold at least `MIN_TILE` tokens — a shorter tile would
+read every weight for a few rows. A slice of one tile runs the stock forward, untouched.
+
+Only under CP (`cp_size() > 1`): with CP off every MLP runs stock. Not while torch.compile traces (the compiled graph
+keeps the stock MLP).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .forward.arguments import call_arguments
+from .patching import cp_size
+from .settings import AUTO, SETTINGS
+
+MIN_TILE = 1024  # tokens: the matmuls of a tile stay large enough to run at full speed
+INTERMEDIATE_PER_HIDDEN = 1  # a tile's intermediates take at most this many times the slice's hidden states
+
+
+def tile_tokens(num_tokens: int, hidden_size: int, intermediate_width: int, configured: int | str = AUTO) -> int:
+    """Tokens per tile of an MLP over `num_tokens` tokens (module docstring); `intermediate_width`: the numbers one
+    token holds in the MLP's intermediates; `configured`: `SETTINGS.mlp_tile_tokens` (0: one tile of everything)."""
+    if configured != AUTO:
+        return configured or num_tokens
+    proportional = math.ceil(num_tokens / max(1, intermediate_width // (hidden_size * INTERMEDIATE_PER_HIDDEN)))
+    count = max(1, min(math.ceil(num_tokens / proportional), num_tokens // MIN_TILE))
+    return math.ceil(num_tokens / count)
+
+
+def tile_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + size, num_tokens)) for a in range(0, num_tokens, size)]
+
+
+@dataclass
+class TileCounts:
+    """Tiled MLP calls and their tiles since the last `drain` (telemetry; no forward reads it)."""
+
+    calls: int = 0
+    forward_tiles: int = 0
+    backward_tiles: int = 0
+
+    def drain(self) -> dict:
+        out = dict(vars(self))
+        self.calls = self.forward_tiles = self.backward_tiles = 0
+        return out
+
+    def facts(self) -> dict:
+        """`VLMCPCallback`'s log entry (the tiles per tiled MLP call since the last log; none when nothing was tiled),
+        and a fresh count."""
+        counts = self.drain()
+        return {"cp_mlp_tiles_per_call": counts["forward_tiles"] / counts["calls"]} if counts["calls"] else {}
+
+
+TILES = TileCounts()
+
+
+def _autocast_of(device: torch.device) -> dict:
+    """The autocast state of `device`'s type now, to run a tile's recomputation in backward as its forward ran."""
+    kind = device.type
+    return {"device_type": kind, "enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind)}
+
+
+class TokenwiseTiles(torch.autograd.Function):
+    """`fn(*tiled)` computed tile by tile: the rows `a:b` of the output are `fn(*(t[a:b] for t in tiled))`.
+
+    Inputs: `fn` (token-wise; reads `params`), `bounds` (the tiles, `tile_bounds`), `num_tiled`, then the `tiled`
+    tensors (tokens on dim 0, same length; integer ones get no gradient) and the `params` fn reads. Output: (tokens,
+    ...), as fn's. Saves the tiled inputs only; backward recomputes tile by tile and returns each parameter's gradient
+    summed over the tiles (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable, bounds: Sequence[tuple[int, int]], num_tiled: int, *inputs):
+        tiled = inputs[:num_tiled]
+        ctx.fn, ctx.bounds, ctx.params = fn, bounds, inputs[num_tiled:]
+        ctx.autocast = _autocast_of(tiled[0].device)
+        ctx.save_for_backward(*tiled)
+        out = None
+        for a, b in bounds:
+            piece = fn(*(t[a:b] for t in tiled))
+            if out is None:
+                out = piece.new_empty((bounds[-1][1], *piece.shape[1:]))
+            out[a:b] = piece
+            TILES.forward_tiles += 1
+        TILES.calls += 1
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        tiled, params = ctx.saved_tensors, ctx.params
+        wants = ctx.needs_input_grad[3:]
+        tiled_grads = [torch.zeros_like(t) if want else None for t, want in zip(tiled, wants)]
+        param_grads: list[torch.Tensor | None] = [None] * len(params)
+        for a, b in ctx.bounds:
+            pieces = [t[a:b].detach().requires_grad_(want) for t, want in zip(tiled, wants)]
+            with torch.enable_grad(), torch.autocast(**ctx.autocast):
+                out = ctx.fn(*pieces)
+            sources = [(i, x) for i, (x, want) in enumerate(zip([*pieces, *params], wants)) if want]
+            grads = torch.autograd.grad(out, [x for _, x in sources], grad_out[a:b], allow_unused=True)
+            for (i, _), grad in zip(sources, grads):
+                if grad is None:
+                    continue
+                if i < len(pieces):
+                    tiled_grads[i][a:b] = grad
+                elif param_grads[i - len(pieces)] is None:
+                    param_grads[i - len(pieces)] = grad
+                else:
+                    param_grads[i - len(pieces)] += grad
+            TILES.backward_tiles += 1
+        return None, None, None, *tiled_grads, *param_grads
+
+
+def tiling_applies() -> bool:
+    """Whether the MLPs run in tiles now: under CP, tiling not turned off, not while torch.compile traces."""
+    return cp_size() > 1 and SETTINGS.mlp_tile_tokens != 0 and not torch.compiler.is_compiling()
+
+
+def run_in_tiles(fn: Callable, tiled: Sequence[torch.Tensor], module: torch.nn.Module, hidden_size: int,
+                 intermediate_width: int) -> torch.Tensor | None:
+    """`fn(*tiled)` over tiles of the tokens (dim 0 of every `tiled` tensor), fn reading `module`'s parameters; None
+    when the tokens make one tile (the caller then runs its stock forward)."""
+    tokens = tiled[0].shape[0]
+    size = tile_tokens(tokens, hidden_size, intermediate_width, SETTINGS.mlp_tile_tokens)
+    if size >= tokens or _zero3_gathers_per_child_call(module):
+        return None
+    params = [p for p in module.parameters() if p.requires_grad]
+    return TokenwiseTiles.apply(fn, tile_bounds(tokens, size), len(tiled), *tiled, *params)
+
+
+# The dense MLP classes the families tile (`models/base.mlp_patches`): their forward calls child Linear modules.
+DENSE_MLP_CLASSES: set[str] = set()
+
+
+def _zero3_gathers_per_child_call(module: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 gathers `module`'s weights child by child, at each child's call: tiles would then start one
+    gather per tile, and ranks with different numbers of tiles would issue different collectives. Such a module runs
+    untiled (`gather_whole_mlps_under_zero3` prevents it under the package's DeepSpeed integration)."""
+    partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
+    children_hooked = any(next(child.parameters(), None) is not None for child in module.children())
+    return partitioned and children_hooked and not getattr(module, "_z3_leaf", False)
+
+
+def gather_whole_mlps_under_zero3(model: torch.nn.Module | None) -> None:
+    """Before `deepspeed.initialize` under CP: every dense MLP the families tile becomes a ZeRO-3 leaf module — its
+    weights gathered once per call by its own hooks, its Linear children without hooks of their own — so its tiles
+    start no gathers (the MoE experts hold their weights themselves: nothing to do). With tiling off, nothing."""
+    if model is None or SETTINGS.mlp_tile_tokens == 0:
+        return
+    for module in model.modules():
+        if any(cls.__name__ in DENSE_MLP_CLASSES for cls in type(module).__mro__):
+            module._z3_leaf = True  # deepspeed.utils.set_z3_leaf_module, read when ZeRO-3 registers its hooks
+
+
+def _single_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    (x,) = (*args, *kwargs.values())
+    return x
+
+
+def _intermediate_size(module: torch.nn.Module, hidden_size: int) -> int:
+    return getattr(module, "intermediate_size", None) or getattr(module, "intermediate_dim", None) or 4 * hidden_size
+
+
+def tiled_mlp(intermediates: int) -> Callable:
+    """The wrapper (wrapt's convention) of a dense MLP's forward `(x) -> y`, token-wise over the last dim of x:
+    under CP (`tiling_applies`) the tokens run in tiles; `intermediates`: how many tensors of `intermediate_size`
+    per token its forward holds (a gated MLP: gate, up, activation, product)."""
+
+    def forward(wrapped, instance, args, kwargs):
+        if not tiling_applies():
+            return wrapped(*args, **kwargs)
+        x = _single_input(args, kwargs)
+        hidden = x.shape[-1]
+        width = intermediates * _intermediate_size(instance, hidden)
+        out = run_in_tiles(wrapped, [x.reshape(-1, hidden)], instance, hidden, width)
+        return wrapped(*args, **kwargs) if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return forward
+
+
+def tiled_experts_forward(wrapped, instance, args, kwargs):
+    """The wrapper of a MoE experts module's forward `(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k))
+    -> (T, H)`, token-wise given each token's routing: under CP its tokens run in tiles. The router stays whole (its
+    outputs are k numbers per token); expert parallelism (an exchange inside the experts) is left untiled."""
+    if not tiling_applies() or getattr(instance, "_is_expert_parallel", False):
+        return wrapped(*args, **kwargs)
+    call = call_arguments(wrapped, args, kwargs)
+    hidden, index, weights = call["hidden_states"], call["top_k_index"], call["top_k_weights"]
+    width = 4 * index.shape[-1] * _intermediate_size(instance, hidden.shape[-1])
+    out = run_in_tiles(wrapped, [hidden, index, weights], instance, hidden.shape[-1], width)
+    return wrapped(*args, **kwargs) if out is None else out
