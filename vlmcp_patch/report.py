@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .launcher import launch
+from .launcher import NODE_SOURCES, launch
 from .patching import cp_size
 from .settings import SETTINGS
 from .supported import supported_class_names
@@ -76,10 +76,28 @@ def layout() -> list[str]:
     lines.append(f"  CP groups (blocks of {size} consecutive ranks): {shown}")
     lines.append(f"  data-parallel replicas: {world // size}; this rank: replica {rank // size}, "
                  f"position {rank % size}")
-    per_node = here.local_world_size or "not set: one node"
-    lines.append(f"  ranks per node (LOCAL_WORLD_SIZE): {per_node}; Ulysses size: "
-                 f"{SETTINGS.ulysses_size or 'automatic, inside a node'} (VLMCP_ULYSSES_SIZE)")
+    lines += node_lines(here)
+    lines.append(f"  Ulysses size: {SETTINGS.ulysses_size or 'automatic, inside a node'} (VLMCP_ULYSSES_SIZE)")
     lines.append(f"  vision data parallelism: {'on' if SETTINGS.vision_dp else 'off'}")
+    return lines
+
+
+def node_lines(here) -> list[str]:
+    """Ranks per node and which launcher's variable says so (`launcher.NODE_SOURCES`), as the CP groups' agreement
+    will take it (`distributed.agree_on_node_size`); an outer launcher's variables, left out, are named."""
+    stated = here.stated()
+    sizes = {s.size for s in stated}
+    if not stated:
+        names = ", ".join(v.size for v in NODE_SOURCES)
+        lines = [f"  ranks per node: no launcher states it ({names} not set)",
+                 "  ... taken from the ranks' host names when the CP groups are created (one host: one node)"]
+    elif len(sizes) > 1:
+        stated_each = ", ".join(s.stated for s in stated)
+        lines = [f"  ranks per node: the launchers disagree ({stated_each}): the first CP forward will raise"]
+    else:
+        lines = [f"  ranks per node: {sizes.pop()}, from {' and '.join(s.source for s in stated)}"]
+    lines += [f"  {s.stated} left out: that launcher started {s.started} processes, not this world's "
+              f"{here.world_size} (an outer launcher)" for s in here.statements if s not in stated]
     return lines
 
 
