@@ -165,6 +165,12 @@ def test_launchers_that_disagree_are_refused_naming_each_and_an_outer_launcher_i
     with pytest.raises(UnsupportedSetupError, match=r"state different node sizes: LOCAL_WORLD_SIZE \(torchrun / "
                        r"Accelerate\) = 4, MPI_LOCALNRANKS \(MPICH\) = 8"):
         agree_on_node_size(views)
+    # Accelerate on CPU under the deepspeed launcher writes LOCAL_WORLD_SIZE=1 and keeps LOCAL_RANK: rank 1 then says
+    # LOCAL_RANK=1 of a node of 1, a variable no launcher sets so, left out; LOCAL_SIZE rules
+    views = _launch_views(monkeypatch, 4, 2, "deepspeed", extra=lambda r: {"LOCAL_WORLD_SIZE": "1"})
+    assert agree_on_node_size(views) == NodeAgreement(size=2, source="LOCAL_SIZE (the deepspeed launcher)")
+    assert "  LOCAL_WORLD_SIZE=1 (torchrun / Accelerate) left out: this process's LOCAL_RANK=1 is not below it" in (
+        node_lines(launch()))
     # a local rank out of node order (SLURM_LOCALID) is refused too
     views = _launch_views(monkeypatch, 4, 2, "slurm", extra=lambda r: {"SLURM_LOCALID": str(1 - r % 2)})
     with pytest.raises(UnsupportedSetupError, match="rank 0 has SLURM_LOCALID 1, not 0"):

@@ -134,8 +134,9 @@ def agree_on_node_size(nodes: list[dict]) -> NodeAgreement:
     host, the same number on each; one host: one node). Checked where it can be: every launcher and every rank
     states the same N, N divides the world, rank r's node index is r // N and its index inside the node r % N
     where a launcher states them (it numbers ranks node by node), and the ranks of one node share a host (different
-    nodes may share one: agents simulating nodes). Ranks on several hosts are never one node. UnsupportedSetupError
-    otherwise, naming each launcher's variable — the same on every rank, which all see the same list. The ranks'
+    nodes may share one: agents simulating nodes). Ranks on several hosts are never one node. A variable whose local
+    index is not below its size on some rank is not a launcher's (Accelerate's CPU default, `NodeStatement.
+    contradicts_itself`) and is left out. UnsupportedSetupError otherwise, naming each launcher's variable — the same on every rank, which all see the same list. The ranks'
     Ulysses sizes (VLMCP_ULYSSES_SIZE) must agree as well: ranks that chose different layouts would wait for each
     other forever."""
     _check_ulysses_sizes_agree(nodes)
@@ -176,7 +177,9 @@ def _stated_sizes(nodes: list[dict], world: int) -> dict[str, dict[int, int]]:
         for statement in node["statements"]:
             if statement.describes(world):
                 stated.setdefault(statement.source, {})[rank] = statement.size
-    return stated
+    # a variable that contradicts itself on any rank (`NodeStatement.contradicts_itself`) is left out on every rank
+    wrong = {s.source for node in nodes for s in node["statements"] if s.contradicts_itself}
+    return {source: by_rank for source, by_rank in stated.items() if source not in wrong}
 
 
 def _one_stated_size(stated: dict[str, dict[int, int]], world: int) -> tuple[int, str | None]:

@@ -58,6 +58,13 @@ class NodeStatement:
         return self.started is None or world is None or self.started == world
 
     @property
+    def contradicts_itself(self) -> bool:
+        """A local index not below the node size: no launcher numbers so. Accelerate writes `LOCAL_WORLD_SIZE=1`
+        (and keeps `LOCAL_RANK`) on CPU when it knows no launcher's variable (the deepspeed launcher's, SLURM's), so
+        its rank 1 says LOCAL_RANK=1 of a node of 1: such a variable is not the launcher's, and is left out."""
+        return self.local_rank is not None and self.local_rank >= self.size
+
+    @property
     def source(self) -> str:
         """How errors and the report name it: e.g. `LOCAL_SIZE (the deepspeed launcher)`."""
         return f"{self.variables.size} ({self.variables.launcher})"
@@ -85,8 +92,9 @@ class Launch:
     host: str
 
     def stated(self) -> tuple[NodeStatement, ...]:
-        """The statements of the launchers that started this world's ranks (`NodeStatement.describes`)."""
-        return tuple(s for s in self.statements if s.describes(self.world_size))
+        """The statements of the launchers that started this world's ranks (`NodeStatement.describes`), less those
+        that contradict themselves here."""
+        return tuple(s for s in self.statements if s.describes(self.world_size) and not s.contradicts_itself)
 
     @property
     def node_size(self) -> int | None:
