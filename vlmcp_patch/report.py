@@ -48,6 +48,26 @@ def kernels() -> list[str]:
     return found
 
 
+def entry_lines() -> list[str]:
+    """The entry without a line of code (`AUTOWRAPT_BOOTSTRAP=vlmcp_patch`): whether autowrapt, the variable and the
+    package's entry point are there, and a warning where the variable is set but cannot act."""
+    import os
+
+    asked = "vlmcp_patch" in [g.strip() for g in os.environ.get("AUTOWRAPT_BOOTSTRAP", "").split(",")]
+    installed = importlib.util.find_spec("autowrapt") is not None
+    entry = any(e.name == "transformers" for e in importlib.metadata.entry_points(group="vlmcp_patch"))
+    autowrapt = _version("autowrapt") if installed else 'not installed (pip install "vlmcp-patch[autowrapt]")'
+    hook = "installed" if entry else "missing (reinstall the package)"
+    lines = [f"  AUTOWRAPT_BOOTSTRAP=vlmcp_patch: {'set' if asked else 'not set'}; autowrapt: {autowrapt}",
+             f"  the package's entry point `transformers` (group vlmcp_patch): {hook}"]
+    if asked and not (installed and entry):
+        lines.append("  WARNING: a program that does not import vlmcp_patch itself runs WITHOUT CP here")
+    elif asked:
+        lines.append("  every Python program of this environment imports vlmcp_patch after its first import of "
+                     "transformers")
+    return lines
+
+
 def patches(status: list[dict]) -> list[str]:
     lines = []
     for entry in status:
@@ -182,7 +202,8 @@ def report(run_self_test: bool = True, text_config=None, name: str = "",
     split at the CP size in effect and at 2 to 16 (and, with `node_size`, at multiples of it up to 8 nodes)."""
     from . import status
 
-    lines = ["== versions", *versions(), "== optional kernels", *kernels(), "== CP layout of this launch", *layout()]
+    lines = ["== versions", *versions(), "== optional kernels", *kernels(), "== CP without a line of code",
+             *entry_lines(), "== CP layout of this launch", *layout()]
     if text_config is not None:
         sizes = sorted({cp_size(), *range(2, 17), *(node_size * n for n in range(1, 9) if node_size)} - {1})
         lines += [f"== {name}: Ulysses x ring by CP size", *model_layout(text_config, sizes, node_size)]
