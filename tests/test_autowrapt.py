@@ -2,10 +2,12 @@
 transformers (autowrapt's startup file, the package's `vlmcp_patch` entry point, `vlmcp_patch_autowrapt.py`).
 
 A process that never imports transformers imports nothing of the package, torch or transformers; one that does
-holds the patches, and without the variable it does not (the control). Launched: a stock HF Trainer script that
-imports nothing of the package (`tests/helpers/stock_trainer_script.py`) under `accelerate launch` with a config file
-(and torchrun, and the `deepspeed` launcher: DDP, the launcher's ranks), 2 processes at `VLMCP_CP_SIZE=2`, trains as the same script run as one process; without the variable
-the same two-process launch shards the data (DDP) and its weights differ.
+holds the patches (also where TRL imports transformers inside its own import), and without the variable it does not
+(the control). Launched, each at `VLMCP_CP_SIZE=2` on 2 processes and equal to the same command as one process, with
+the variable-less two-process launch as the control (DDP shards the data, the weights differ): TRL's `trl sft` CLI on
+a tiny local checkpoint and data set; a stock HF Trainer script that imports nothing of the package
+(`tests/helpers/stock_trainer_script.py`) under `accelerate launch` with a config file, torchrun and the `deepspeed`
+launcher (DDP over the launcher's ranks).
 
 These need the package installed with its entry point and autowrapt (`pip install -e ".[test]"`): the startup file
 lives in site-packages. They are skipped, saying so, where that is not the case; `python -m vlmcp_patch` says it
@@ -25,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.harness import ROOT, launch
+from tests.helpers.harness import ROOT, _dump_stacks_then_kill, free_port, launch
 from vlmcp_patch.fixtures.compare import state_dict_error
 
 
@@ -61,11 +63,16 @@ def test_a_process_that_never_imports_transformers_imports_nothing_of_the_packag
 
 
 @NEEDS_BOOTSTRAP
-def test_importing_transformers_applies_the_patches_only_with_the_variable():
-    code = ("import sys, transformers; m = sys.modules.get('vlmcp_patch'); "
-            "print(m is not None and m.PATCHES.active, m is not None and m.cp_size())")
-    assert _python(code, {**ON, "VLMCP_CP_SIZE": "2"}) == "True 2"
-    assert _python(code, {**OFF, "VLMCP_CP_SIZE": "2"}) == "False False"  # the control: inert when unset
+@pytest.mark.parametrize("first_import", ["import transformers", "import trl; trl.SFTConfig"])
+def test_importing_transformers_applies_the_patches_only_with_the_variable(first_import):
+    """Also where transformers is first imported inside another package's import (TRL's config module): the
+    package then arrives when that import ends, its TRL patches installed (no circular import)."""
+    code = (f"{first_import}; import sys; m = sys.modules.get('vlmcp_patch'); "
+            "print(m is not None and m.PATCHES.active, m is not None and m.cp_size(), "
+            "m is not None and any(t.startswith('trl.') for t in m.PATCHES._undo))")
+    expected = "True 2 True" if "trl" in first_import else "True 2 False"
+    assert _python(code, {**ON, "VLMCP_CP_SIZE": "2"}) == expected
+    assert _python(code, {**OFF, "VLMCP_CP_SIZE": "2"}) == "False False False"  # the control: inert when unset
 
 
 def test_the_report_says_whether_the_variable_can_act(monkeypatch):
@@ -135,3 +142,54 @@ def test_without_the_variable_the_same_launch_shards_the_data(checkpoint_and_dat
     weights, facts = _train(checkpoint_and_data, "ddp-stock", 2, "accelerate_config", {**OFF, "VLMCP_CP_SIZE": "2"})
     assert not facts["vlmcp_patch"] and facts["world"] == 2
     assert state_dict_error(weights, one_process) > 1e-2
+
+
+TRL = Path(sys.executable).with_name("trl")  # the CLI's console script, beside this interpreter
+TRL_ARGS = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_steps", "3",
+            "--learning_rate", "0.05", "--optim", "sgd", "--lr_scheduler_type", "constant", "--logging_steps", "1",
+            "--save_strategy", "no", "--report_to", "none", "--use_cpu", "--bf16", "false", "--dataloader_drop_last",
+            "--seed", "0", "--trust_remote_code", "--attn_implementation", "sdpa", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def trl_inputs(tmp_path_factory):
+    from tests.helpers.trl_cli_checkpoint import write_checkpoint, write_dataset
+
+    folder = tmp_path_factory.mktemp("trl-cli")
+    return write_checkpoint(folder / "model"), write_dataset(folder / "data")
+
+
+def _trl_sft(inputs, out: Path, procs: int, env: dict) -> dict:
+    """`trl sft` on the tiny checkpoint and data, through its Accelerate launcher (the DDP config file), on `procs`
+    processes: the weights it saved."""
+    from safetensors.torch import load_file
+
+    model, data = inputs
+    cmd = [str(TRL), "sft", "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
+           *TRL_ARGS, "--config_file", str(ROOT / "tests" / "helpers" / "accelerate_ddp.yaml"), "--num_processes",
+           str(procs), "--main_process_port", str(free_port())]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                          cwd=out.parent, start_new_session=True) as proc:
+        try:
+            _, stderr = proc.communicate(timeout=400)
+        except subprocess.TimeoutExpired:
+            _dump_stacks_then_kill(lambda sig: os.killpg(proc.pid, sig))
+            raise
+    assert proc.returncode == 0, stderr[-4000:]
+    return load_file(out / "model.safetensors")
+
+
+@NEEDS_BOOTSTRAP
+@pytest.mark.integration
+@pytest.mark.skipif(not TRL.exists(), reason="TRL's `trl` command is not installed beside this interpreter")
+def test_trl_sft_cli_at_cp2_trains_as_one_process(trl_inputs, tmp_path):
+    """TRL's own CLI, unmodified, at CP = 2 through its Accelerate launcher, equal to the same command on one process
+    (fp32: `--bf16 false`, TRL's default is bf16). The control: without the variable the two processes shard the data.
+    TRL imports transformers inside its own `trl.trainer.sft_config` import: the package then comes in as that import
+    ends (`vlmcp_patch_autowrapt.on_transformers_import`)."""
+    one = _trl_sft(trl_inputs, tmp_path / "one", 1, {**OFF, "VLMCP_CP_SIZE": "1"})
+    cp2 = _trl_sft(trl_inputs, tmp_path / "cp2", 2, {**ON, "VLMCP_CP_SIZE": "2"})
+    assert state_dict_error(cp2, one) <= 1e-4
+    stock = _trl_sft(trl_inputs, tmp_path / "stock2", 2, {**OFF, "VLMCP_CP_SIZE": "2"})
+    assert state_dict_error(stock, one) > 1e-3
