@@ -21,10 +21,8 @@ def on_transformers_import(module) -> None:
     would import TRL's half-initialized modules again (a circular import). The package is then imported as soon as
     the outermost import in progress ends — where a script's `import vlmcp_patch` on the next line would run."""
     outermost = _outermost_import_in_progress()
-    if outermost is None:
-        import vlmcp_patch  # noqa: F401 - the import applies the patches
-    else:
-        _when_finished(outermost, _import_the_package)
+    if outermost is None or not _when_finished(outermost, _import_the_package):
+        _import_the_package()
 
 
 def _import_the_package() -> None:
@@ -41,10 +39,10 @@ def _outermost_import_in_progress():
     return None
 
 
-def _when_finished(spec, callback) -> None:
+def _when_finished(spec, callback) -> bool:
     """Call `callback` once the import of `spec` ends: the import system clears `spec._initializing` last, after the
     module is in `sys.modules` (importlib's `_load_unlocked`). The spec's class is swapped for a subclass whose
-    `_initializing` setter notices that."""
+    `_initializing` setter notices that. False where the spec's class cannot be swapped (the caller acts now)."""
     base = type(spec)
 
     class _NotifyingSpec(base):
@@ -59,4 +57,8 @@ def _when_finished(spec, callback) -> None:
                 self.__class__ = base  # once
                 callback()
 
-    spec.__class__ = _NotifyingSpec
+    try:
+        spec.__class__ = _NotifyingSpec
+    except TypeError:  # a spec class with a layout of its own
+        return False
+    return True
