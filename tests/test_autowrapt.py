@@ -7,7 +7,7 @@ holds the patches (also where TRL imports transformers inside its own import), a
 the variable-less two-process launch as the control (DDP shards the data, the weights differ): TRL's `trl sft` CLI on
 a tiny local checkpoint and data set; a stock HF Trainer script that imports nothing of the package
 (`tests/helpers/stock_trainer_script.py`) under `accelerate launch` with a config file, torchrun and the `deepspeed`
-launcher (DDP over the launcher's ranks).
+launcher (DDP over the launcher's ranks, and ZeRO-3).
 
 These need the package installed with its entry point and autowrapt (`pip install -e ".[test]"`): the startup file
 lives in site-packages. They are skipped, saying so, where that is not the case; `python -m vlmcp_patch` says it
@@ -107,11 +107,11 @@ def checkpoint_and_data(tmp_path_factory):
 SCRIPT = ROOT / "tests" / "helpers" / "stock_trainer_script.py"
 
 
-def _train(folder: Path, name: str, procs: int, launcher: str, env: dict) -> tuple[dict, dict]:
+def _train(folder: Path, name: str, procs: int, launcher: str, env: dict, extra=()) -> tuple[dict, dict]:
     """(trained weights, run facts) of the stock script launched as given."""
     out = folder / name
-    run = launch(SCRIPT, [folder / "model", folder / "samples.pt", out], procs=procs, launcher=launcher, env=env,
-                 timeout=400)
+    run = launch(SCRIPT, [folder / "model", folder / "samples.pt", out, *extra], procs=procs, launcher=launcher,
+                 env=env, timeout=400)
     assert run.returncode == 0, run.stderr[-4000:]
     return torch.load(out / "weights.pt"), json.loads((out / "run.json").read_text())
 
@@ -136,11 +136,26 @@ def test_an_unmodified_trainer_script_launched_at_cp2_trains_as_one_process(laun
 
 @NEEDS_BOOTSTRAP
 @pytest.mark.integration
-def test_without_the_variable_the_same_launch_shards_the_data(checkpoint_and_data, one_process):
-    """The control: VLMCP_CP_SIZE=2 alone does nothing to a script that does not import the package — DDP gives
-    each process different samples, and the weights differ from one process's."""
-    weights, facts = _train(checkpoint_and_data, "ddp-stock", 2, "accelerate_config", {**OFF, "VLMCP_CP_SIZE": "2"})
+def test_an_unmodified_zero3_trainer_script_under_the_deepspeed_launcher_at_cp2_trains_as_one_process(
+        checkpoint_and_data, one_process):
+    config = ROOT / "examples" / "ds_trainer_zero3.json"
+    weights, facts = _train(checkpoint_and_data, "cp2-zero3", 2, "deepspeed", {**ON, "VLMCP_CP_SIZE": "2"},
+                            extra=[config])
+    assert facts["vlmcp_patch"] and facts["wrapper"] == "DeepSpeed ZeRO-3", facts
+    assert state_dict_error(weights, one_process) <= 1e-4
+
+
+@NEEDS_BOOTSTRAP
+@pytest.mark.integration
+@pytest.mark.parametrize("launcher", ["accelerate_config", "deepspeed"])
+def test_without_the_variable_the_same_launch_shards_the_data(launcher, checkpoint_and_data, one_process):
+    """The control: VLMCP_CP_SIZE=2 alone does nothing to a script that does not import the package — DDP (ZeRO-3
+    under the deepspeed launcher) gives each process different samples, and the weights differ from one process's."""
+    extra = [ROOT / "examples" / "ds_trainer_zero3.json"] if launcher == "deepspeed" else []
+    weights, facts = _train(checkpoint_and_data, f"stock-{launcher}", 2, launcher, {**OFF, "VLMCP_CP_SIZE": "2"},
+                            extra=extra)
     assert not facts["vlmcp_patch"] and facts["world"] == 2
+    assert facts["wrapper"] == ("DeepSpeed ZeRO-3" if launcher == "deepspeed" else "DistributedDataParallel"), facts
     assert state_dict_error(weights, one_process) > 1e-2
 
 
