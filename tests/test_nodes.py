@@ -20,9 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.harness import HANG_TIMEOUT, ROOT, _dump_stacks_then_kill, free_port
+from tests.helpers.launcher_envs import NODE_VARIABLES, environment
 from tests.helpers.parity import TOL
-from vlmcp_patch.distributed import agreed_node_size
+from vlmcp_patch.distributed import NodeAgreement, agree_on_node_size, agreed_node_size, launcher_node
 from vlmcp_patch.errors import UnsupportedSetupError
+from vlmcp_patch.launcher import NODE_SOURCES, NodeStatement, launch
 from vlmcp_patch.layout import node_spans, ulysses_degree
 
 
@@ -68,27 +70,111 @@ def test_the_override_is_checked_against_the_heads_and_the_node_size():
         ulysses_degree(12, [12], node_size=4, override=6)
 
 
-def _nodes(local, groups, hosts):
-    return [{"local_world_size": n, "group_rank": g, "host": h, "ulysses_size": 0}
-            for n, g, h in zip(local, groups, hosts, strict=True)]
+TORCHRUN = NODE_SOURCES[0]
+
+
+def _nodes(local, groups, hosts, variables=TORCHRUN):
+    """Each rank's `launcher_node()` where one launcher (`variables`) states the node size `local[r]` (None: not set)
+    and the node index `groups[r]`."""
+    return [{"statements": () if n is None else (NodeStatement(variables, n, None, g, None),), "host": h,
+             "ulysses_size": 0} for n, g, h in zip(local, groups, hosts, strict=True)]
 
 
 def test_the_launchers_node_size_is_checked_against_the_hosts():
-    assert agreed_node_size(_nodes([None] * 4, [None] * 4, "aaaa")) is None  # no launcher: one node
+    assert agreed_node_size(_nodes([None] * 4, [None] * 4, "aaaa")) is None  # no launcher, one host: one node
     assert agreed_node_size(_nodes([2] * 4, [0, 0, 1, 1], "aabb")) == 2
     assert agreed_node_size(_nodes([2] * 4, [0, 0, 1, 1], "aaaa")) == 2  # two agents on one host
-    with pytest.raises(UnsupportedSetupError, match="different LOCAL_WORLD_SIZE"):
+    with pytest.raises(UnsupportedSetupError, match=r"different LOCAL_WORLD_SIZE \(torchrun / Accelerate\) values"):
         agreed_node_size(_nodes([2, 2, 4, 4], [0, 0, 1, 1], "aabb"))
     with pytest.raises(UnsupportedSetupError, match="run on hosts"):
         agreed_node_size(_nodes([2] * 4, [0, 0, 1, 1], "abab"))
-    with pytest.raises(UnsupportedSetupError, match="not numbered node by node"):
+    with pytest.raises(UnsupportedSetupError, match="GROUP_RANK 1, not 0: the ranks are not numbered node by node"):
         agreed_node_size(_nodes([2] * 4, [0, 1, 0, 1], "aaaa"))
-    with pytest.raises(UnsupportedSetupError, match="does not divide the world size 6"):
+    with pytest.raises(UnsupportedSetupError, match=r"LOCAL_WORLD_SIZE=4 \(torchrun / Accelerate\) does not divide "
+                       "the world size 6"):
         agreed_node_size(_nodes([4] * 6, [None] * 6, "aaaaaa"))
+    with pytest.raises(UnsupportedSetupError, match=r"set on ranks \[0, 1\] and not on ranks \[2, 3\]"):
+        agreed_node_size(_nodes([2, 2, None, None], [0, 0, None, None], "aabb"))
     differing = _nodes([None] * 2, [None] * 2, "aa")
     differing[1]["ulysses_size"] = 2  # one rank launched with VLMCP_ULYSSES_SIZE=2, the other without
     with pytest.raises(UnsupportedSetupError, match=r"different VLMCP_ULYSSES_SIZE values \[0, 2\]"):
         agreed_node_size(differing)
+
+
+def _launch_views(monkeypatch, world: int, per_node: int, *launchers: str, host=lambda rank: "one-host",
+                  extra=lambda rank: {}) -> list[dict]:
+    """Each rank's `launcher_node()` read from its environment as `launchers` set it, then `extra` (every other
+    launcher's node variables removed), rank by rank in this process."""
+    views = []
+    for rank in range(world):
+        for name in NODE_VARIABLES:
+            monkeypatch.delenv(name, raising=False)
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
+        for launcher in launchers:
+            env.update(environment(launcher, rank, world, per_node))
+        env.update(extra(rank))
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr("socket.gethostname", lambda rank=rank: host(rank))
+        views.append(launcher_node())
+    return views
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "slurm", "openmpi", "mpich"])
+def test_each_launchers_variables_give_the_node_size_and_the_layout_torchruns_give(launcher, monkeypatch):
+    """Two nodes of 4 ranks (P = 8, 8 heads): every launcher's own variables give N = 4, named as the source, and the
+    layout torchrun's give (U = 4 inside each node, a ring of 2 across); `python -m vlmcp_patch` names the source."""
+    from vlmcp_patch.layout import hybrid_rank_lists
+    from vlmcp_patch.report import node_lines
+
+    agreed = agree_on_node_size(_launch_views(monkeypatch, 8, 4, launcher, host=lambda r: f"host{r // 4}"))
+    variable = {"torchrun": "LOCAL_WORLD_SIZE", "deepspeed": "LOCAL_SIZE", "slurm": "SLURM_NTASKS_PER_NODE",
+                "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE", "mpich": "MPI_LOCALNRANKS"}[launcher]
+    assert agreed.size == 4 and agreed.source.startswith(variable), agreed
+    ulysses = ulysses_degree(8, [8], agreed.size)
+    assert ulysses == 4 and hybrid_rank_lists(8, 8, ulysses) == hybrid_rank_lists(8, 8, ulysses_degree(8, [8], 4))
+    assert node_lines(launch())[0].startswith(f"  ranks per node: 4, from {variable} (")
+    # the control: the same ranks with no launcher's variables and one host count as one node, U = 8 across both
+    assert agreed_node_size(_launch_views(monkeypatch, 8, 4, "none")) is None and ulysses_degree(8, [8], None) == 8
+
+
+def test_without_launcher_variables_the_host_names_tell_the_nodes(monkeypatch):
+    """No launcher's node variable: consecutive ranks per host, the same number on each, make the nodes; hosts that
+    hold ranks out of node order or unequal numbers are refused (never one node over several hosts)."""
+    views = _launch_views(monkeypatch, 4, 2, "none", host=lambda r: f"host{r // 2}")
+    assert agree_on_node_size(views) == NodeAgreement(size=2, source="the ranks' host names")
+    assert agreed_node_size(_nodes([None] * 6, [None] * 6, "aaabbb")) == 3
+    with pytest.raises(UnsupportedSetupError, match=r"host 'a' holds ranks \[0, 2\], not consecutive"):
+        agreed_node_size(_nodes([None] * 4, [None] * 4, "abab"))
+    with pytest.raises(UnsupportedSetupError, match=r"different numbers of ranks \{'a': 3, 'b': 1\}"):
+        agreed_node_size(_nodes([None] * 4, [None] * 4, "aaab"))
+
+
+def test_launchers_that_disagree_are_refused_naming_each_and_an_outer_launcher_is_left_out(monkeypatch):
+    # srun starting one torchrun agent per node: SLURM started 2 tasks, not the world's 8 — torchrun's variables rule
+    outer = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_LOCALID": "0"}
+    views = _launch_views(monkeypatch, 8, 4, "torchrun", host=lambda r: f"host{r // 4}",
+                          extra=lambda r: {**outer, "SLURM_NODEID": str(r // 4)})
+    assert agree_on_node_size(views).size == 4
+    from vlmcp_patch.report import node_lines
+
+    assert "SLURM_NTASKS_PER_NODE=1 (SLURM) left out: that launcher started 2 processes" in "\n".join(
+        node_lines(launch()))
+    # the control: launchers that both started the ranks and state different node sizes
+    views = _launch_views(monkeypatch, 8, 4, "torchrun", extra=lambda r: {"MPI_LOCALNRANKS": "8", "PMI_SIZE": "8"})
+    with pytest.raises(UnsupportedSetupError, match=r"state different node sizes: LOCAL_WORLD_SIZE \(torchrun / "
+                       r"Accelerate\) = 4, MPI_LOCALNRANKS \(MPICH\) = 8"):
+        agree_on_node_size(views)
+    # Accelerate on CPU under the deepspeed launcher writes LOCAL_WORLD_SIZE=1 and keeps LOCAL_RANK: rank 1 then says
+    # LOCAL_RANK=1 of a node of 1, a variable no launcher sets so, left out; LOCAL_SIZE rules
+    views = _launch_views(monkeypatch, 4, 2, "deepspeed", extra=lambda r: {"LOCAL_WORLD_SIZE": "1"})
+    assert agree_on_node_size(views) == NodeAgreement(size=2, source="LOCAL_SIZE (the deepspeed launcher)")
+    assert "  LOCAL_WORLD_SIZE=1 (torchrun / Accelerate) left out: this process's LOCAL_RANK=1 is not below it" in (
+        node_lines(launch()))
+    # a local rank out of node order (SLURM_LOCALID) is refused too
+    views = _launch_views(monkeypatch, 4, 2, "slurm", extra=lambda r: {"SLURM_LOCALID": str(1 - r % 2)})
+    with pytest.raises(UnsupportedSetupError, match="rank 0 has SLURM_LOCALID 1, not 0"):
+        agree_on_node_size(views)
 
 
 def _agents(out: Path, procs_per_node: int = 2, nodes: int = 2) -> list[list[str]]:
@@ -120,13 +206,9 @@ def launch_two_nodes(out: Path, timeout: float = 300, env: dict | None = None) -
     return [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("override", [None, 4])
-def test_two_nodes_on_one_host_keep_the_all_to_all_inside_a_node_and_equal_stock(override, tmp_path):
-    """P = 4 over 2 nodes of 2. The control: VLMCP_ULYSSES_SIZE=4 (whole nodes per subgroup, allowed by choice) puts
-    the all-to-all across both nodes — what the heads alone choose — and the same assertions see it."""
-    env = {"VLMCP_ULYSSES_SIZE": str(override)} if override else {}
-    results = sorted(launch_two_nodes(tmp_path, env=env), key=lambda r: r["rank"])
+def _assert_two_node_layout(results: list[dict], override: int | None) -> None:
+    """Every rank of the two-node run: N = 2, U = 2 (or the override), the all-to-all inside a node and the ring
+    across both (with U = 4: neither), loss, logits and every gradient equal to stock at P=1."""
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     node_of = {r["rank"]: r["node"] for r in results}
     assert node_of == {0: 0, 1: 0, 2: 1, 3: 1}
@@ -138,6 +220,32 @@ def test_two_nodes_on_one_host_keep_the_all_to_all_inside_a_node_and_equal_stock
         assert (inside, across) == ((True, True) if override is None else (False, False)), where
         assert r["loss_err"] <= TOL and r["logits_err"] <= TOL, where
         assert r["grad_err"] <= TOL and r["missing_grads"] == [], f"{where}: {r['worst_grad']}"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("override", [None, 4])
+def test_two_nodes_on_one_host_keep_the_all_to_all_inside_a_node_and_equal_stock(override, tmp_path):
+    """P = 4 over 2 nodes of 2. The control: VLMCP_ULYSSES_SIZE=4 (whole nodes per subgroup, allowed by choice) puts
+    the all-to-all across both nodes — what the heads alone choose — and the same assertions see it."""
+    env = {"VLMCP_ULYSSES_SIZE": str(override)} if override else {}
+    results = sorted(launch_two_nodes(tmp_path, env=env), key=lambda r: r["rank"])
+    _assert_two_node_layout(results, override)
+    assert {r["node_source"] for r in results} == {"LOCAL_WORLD_SIZE (torchrun / Accelerate)"}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("launcher", ["deepspeed", "slurm", "openmpi", "mpich", "none"])
+def test_two_nodes_with_each_launchers_variables_lay_out_as_under_torchrun(launcher, tmp_path):
+    """The same two-node run, each rank holding only another launcher's node variables (`launcher_envs`): the same
+    layout and exactness as torchrun's. `none`: no node variable, each node's ranks report a host name of their own
+    (two machines), so only the host names tell the nodes; with one host name they would be one node (U = 4, the
+    control in `test_each_launchers_variables_give_the_node_size_and_the_layout_torchruns_give`)."""
+    results = sorted(launch_two_nodes(tmp_path, env={"VLMCP_TEST_LAUNCHER": launcher}), key=lambda r: r["rank"])
+    _assert_two_node_layout(results, None)
+    source = {"deepspeed": "LOCAL_SIZE (the deepspeed launcher)", "slurm": "SLURM_NTASKS_PER_NODE (SLURM)",
+              "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE (Open MPI)", "mpich": "MPI_LOCALNRANKS (MPICH)",
+              "none": "the ranks' host names"}[launcher]
+    assert {r["node_source"] for r in results} == {source}
 
 
 def test_the_report_shows_the_layout_per_p_on_nodes_of_a_given_size(capsys):
@@ -206,5 +314,5 @@ def test_a_launch_whose_node_size_does_not_fit_is_refused_on_every_rank_before_c
 
     for res in run_distributed(_forward_with_launcher_env, 2, env={"LOCAL_WORLD_SIZE": "3"}, timeout=300):
         assert res["error"] == "UnsupportedSetupError", res
-        assert "LOCAL_WORLD_SIZE=3 does not divide the world size 2" in res["message"], res
+        assert "LOCAL_WORLD_SIZE=3 (torchrun / Accelerate) does not divide the world size 2" in res["message"], res
         assert res["seconds"] < 10, res

@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", help="a checkpoint name or folder (its config only), or tiny-qwen3-vl / "
                         "tiny-qwen3.5: print how its heads split (Ulysses x ring) at each CP size")
     parser.add_argument("--node-size", type=int, default=None, help="ranks (GPUs) per node: show where each P's "
-                        "Ulysses subgroups and rings fall on nodes of this size (default: the launcher's "
-                        "LOCAL_WORLD_SIZE when it launched several nodes, else one node)")
+                        "Ulysses subgroups and rings fall on nodes of this size (default: what the launcher "
+                        "states when it launched several nodes, else one node)")
     args = parser.parse_args(argv)
     if args.node_size is not None and args.node_size < 1:
         parser.error("--node-size must be a positive number of ranks")
@@ -38,9 +38,10 @@ def main(argv=None) -> int:
 
 
 def _launched_node_size() -> int | None:
-    """Ranks per node of this launch when it spans several nodes (LOCAL_WORLD_SIZE below WORLD_SIZE), else None."""
+    """Ranks per node of this launch when it spans several nodes (the launcher's node size below WORLD_SIZE), else
+    None."""
     here = launch()
-    return here.local_world_size if here.several_nodes else None
+    return here.node_size if here.several_nodes else None
 
 
 def _text_config(name: str | None):

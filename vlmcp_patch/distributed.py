@@ -21,7 +21,7 @@ from .collectives.differentiable import gather_keep_local_grad
 from .errors import UnsupportedSetupError
 from .grad_shares import shares_summed
 from .flags import BYPASS, scoped
-from .launcher import launch
+from .launcher import NODE_SOURCES, launch
 from .layout import hybrid_rank_lists, ulysses_degree
 from .patching import cp_size
 from .settings import SETTINGS
@@ -29,8 +29,8 @@ from .settings import SETTINGS
 _GROUPS: dict[tuple[int, int], object] = {}
 _HYBRID: dict[tuple[int, int, int], dict] = {}  # (world, P, U) -> this rank's Ulysses subgroup and ring
 _WORLD_GROUP: dict[int, object] = {}
-# world size -> the node size every rank agreed on (None: unknown), or the UnsupportedSetupError the launch gets
-_NODE_SIZE: dict[int, int | None | UnsupportedSetupError] = {}
+# world size -> the node size every rank agreed on (and its source), or the UnsupportedSetupError the launch gets
+_NODE_SIZE: dict[int, NodeAgreement | UnsupportedSetupError] = {}
 
 
 @dataclass(frozen=True)
@@ -113,69 +113,157 @@ def _new_group(ranks: list[int], role: str):
 
 
 def launcher_node() -> dict:
-    """What the launcher says about this process's node (torchrun / accelerate / deepspeed set these): ranks per node
-    (`LOCAL_WORLD_SIZE`, None when not set), the node's index (`GROUP_RANK`, else None), and the host; with the
-    Ulysses size this process was given (VLMCP_ULYSSES_SIZE, 0: automatic), which every rank must share too."""
+    """What the launchers say about this process's node (`launcher.node_statements`: torchrun / Accelerate, the
+    deepspeed launcher, SLURM, Open MPI, MPICH), and its host; with the Ulysses size this process was given
+    (VLMCP_ULYSSES_SIZE, 0: automatic), which every rank must share too."""
     here = launch()
-    return {"local_world_size": here.local_world_size, "group_rank": here.group_rank, "host": here.host,
-            "ulysses_size": SETTINGS.ulysses_size}
+    return {"statements": here.statements, "host": here.host, "ulysses_size": SETTINGS.ulysses_size}
+
+
+@dataclass(frozen=True)
+class NodeAgreement:
+    """The node size N every rank of a launch agreed on (None: one node) and where it came from."""
+
+    size: int | None
+    source: str
+
+
+def agree_on_node_size(nodes: list[dict]) -> NodeAgreement:
+    """The node size N the layout places groups by, from every rank's `launcher_node()` (index = global rank): the
+    one the launchers that started the ranks state, else what the ranks' host names show (consecutive ranks per
+    host, the same number on each; one host: one node). Checked where it can be: every launcher and every rank
+    states the same N, N divides the world, rank r's node index is r // N and its index inside the node r % N
+    where a launcher states them (it numbers ranks node by node), and the ranks of one node share a host (different
+    nodes may share one: agents simulating nodes). Ranks on several hosts are never one node. A variable whose local
+    index is not below its size on some rank is not a launcher's (Accelerate's CPU default, `NodeStatement.
+    contradicts_itself`) and is left out. UnsupportedSetupError otherwise, naming each launcher's variable — the same on every rank, which all see the same list. The ranks'
+    Ulysses sizes (VLMCP_ULYSSES_SIZE) must agree as well: ranks that chose different layouts would wait for each
+    other forever."""
+    _check_ulysses_sizes_agree(nodes)
+    world = len(nodes)
+    stated = _stated_sizes(nodes, world)
+    if not stated:
+        return _node_size_from_hosts([n["host"] for n in nodes])
+    size, problem = _one_stated_size(stated, world)
+    problem = problem or _numbering_problem(nodes, size, world)
+    if problem:
+        raise UnsupportedSetupError(
+            f"vlmcp-patch places the Ulysses subgroups inside nodes of the size the launcher states, but {problem}. "
+            "Launch the same number of processes on every node (ranks numbered node by node), with one launcher's "
+            "node variables in the ranks' environment, or none: the ranks' host names then tell the nodes."
+        )
+    return NodeAgreement(size=size, source=" and ".join(sorted(stated)))
 
 
 def agreed_node_size(nodes: list[dict]) -> int | None:
-    """The node size N the layout places groups by, from every rank's `launcher_node()` (index = global rank), or
-    None when no rank knows it (all ranks then count as one node). Checked where it can be: every rank states the
-    same N, N divides the world, rank r's node r // N is its GROUP_RANK (the launcher numbers ranks node by node),
-    and the ranks of one node share a host (different nodes may share one: agents simulating nodes on one host).
-    UnsupportedSetupError otherwise — the same on every rank, which all see the same list. The ranks' Ulysses sizes
-    (VLMCP_ULYSSES_SIZE) must agree as well: ranks that chose different layouts would wait for each other forever."""
+    """The node size of `agree_on_node_size` alone (None: one node)."""
+    return agree_on_node_size(nodes).size
+
+
+def _check_ulysses_sizes_agree(nodes: list[dict]) -> None:
     overrides = sorted({n.get("ulysses_size", 0) for n in nodes})
     if len(overrides) > 1:
         raise UnsupportedSetupError(
             f"the ranks were given different VLMCP_ULYSSES_SIZE values {overrides} (0: automatic): set it, or call "
             "enable(ulysses_size=...), alike in every process."
         )
-    sizes = {n["local_world_size"] for n in nodes}
-    if sizes == {None}:
-        return None
-    world = len(nodes)
+
+
+def _stated_sizes(nodes: list[dict], world: int) -> dict[str, dict[int, int]]:
+    """Launcher variable -> {rank: the node size it states there}, for the launchers that started this world's
+    ranks (an outer launcher, srun starting one torchrun agent per node, describes its agents: left out)."""
+    stated: dict[str, dict[int, int]] = {}
+    for rank, node in enumerate(nodes):
+        for statement in node["statements"]:
+            if statement.describes(world):
+                stated.setdefault(statement.source, {})[rank] = statement.size
+    # a variable that contradicts itself on any rank (`NodeStatement.contradicts_itself`) is left out on every rank
+    wrong = {s.source for node in nodes for s in node["statements"] if s.contradicts_itself}
+    return {source: by_rank for source, by_rank in stated.items() if source not in wrong}
+
+
+def _one_stated_size(stated: dict[str, dict[int, int]], world: int) -> tuple[int, str | None]:
+    """The one size the launchers state on every rank, or a problem naming each variable that differs."""
+    for source, by_rank in stated.items():
+        if len(by_rank) < world:
+            missing = sorted(set(range(world)) - set(by_rank))
+            return 0, f"{source} is set on ranks {sorted(by_rank)} and not on ranks {missing}"
+        if len(set(by_rank.values())) > 1:
+            return 0, f"the ranks report different {source} values {sorted(set(by_rank.values()))}"
+    sizes = {source: next(iter(by_rank.values())) for source, by_rank in stated.items()}
+    if len(set(sizes.values())) > 1:
+        each = ", ".join(f"{source} = {size}" for source, size in sorted(sizes.items()))
+        return 0, f"the launchers' variables state different node sizes: {each}"
+    return next(iter(sizes.values())), None
+
+
+def _numbering_problem(nodes: list[dict], size: int, world: int) -> str | None:
+    """Whether the ranks are numbered node by node in nodes of `size` on one host each, as far as the launchers'
+    node and local indices and the host names show; None when they are."""
+    if size < 1 or world % size:
+        named = next(s.stated for s in nodes[0]["statements"] if s.describes(world))
+        return f"{named} does not divide the world size {world}"
+    for rank, node in enumerate(nodes):
+        for s in (s for s in node["statements"] if s.describes(world)):
+            if s.node is not None and s.node != rank // size:
+                return (f"rank {rank} has {s.variables.node} {s.node}, not {rank // size}: the ranks are not numbered "
+                        "node by node")
+            if s.local_rank is not None and s.local_rank != rank % size:
+                return (f"rank {rank} has {s.variables.local_rank} {s.local_rank}, not {rank % size}: the ranks are "
+                        "not numbered node by node")
+    for first in range(0, world, size):
+        hosts = sorted({n["host"] for n in nodes[first:first + size]})
+        if len(hosts) > 1:
+            return f"ranks {first}..{first + size - 1} (one node of {size}) run on hosts {hosts}"
+    return None
+
+
+def _node_size_from_hosts(hosts: list[str]) -> NodeAgreement:
+    """Where no launcher states the node size: the ranks' host names, each host one node of consecutive ranks, the
+    same number on each; one host: one node (None). UnsupportedSetupError where the hosts show another layout."""
+    runs: list[list] = []  # [host, ranks] for each run of consecutive ranks on one host
+    for host in hosts:
+        if runs and runs[-1][0] == host:
+            runs[-1][1] += 1
+        else:
+            runs.append([host, 1])
+    if len(runs) == 1:
+        return NodeAgreement(size=None, source="the ranks' host names (one host: one node)")
+    counts = {host: ranks for host, ranks in runs}
     problem = None
-    if len(sizes) > 1:
-        problem = f"the ranks report different LOCAL_WORLD_SIZE values {sorted(sizes, key=str)}"
-    else:
-        size = sizes.pop()
-        wrong_node = [r for r, n in enumerate(nodes) if n["group_rank"] not in (None, r // size)]
-        hosts = {}
-        for r, n in enumerate(nodes):
-            hosts.setdefault(r // size, set()).add(n["host"])
-        if size < 1 or world % size:
-            problem = f"LOCAL_WORLD_SIZE={size} does not divide the world size {world}"
-        elif wrong_node:
-            problem = (f"rank {wrong_node[0]} has GROUP_RANK {nodes[wrong_node[0]]['group_rank']}, not "
-                       f"{wrong_node[0] // size}: the ranks are not numbered node by node")
-        elif any(len(h) > 1 for h in hosts.values()):
-            node = next(k for k, h in hosts.items() if len(h) > 1)
-            problem = (f"ranks {node * size}..{node * size + size - 1} (one node of {size}) run on hosts "
-                       f"{sorted(hosts[node])}")
+    if len(counts) < len(runs):  # a host holds two runs
+        host = next(h for i, (h, _) in enumerate(runs) if h in {g for g, _ in runs[:i]})
+        where = [rank for rank, h in enumerate(hosts) if h == host]
+        problem = f"host {host!r} holds ranks {where}, not consecutive: the ranks are not numbered node by node"
+    elif len(set(counts.values())) > 1:
+        problem = f"the hosts hold different numbers of ranks {counts}"
     if problem:
         raise UnsupportedSetupError(
-            f"vlmcp-patch places the Ulysses subgroups inside nodes from the launcher's LOCAL_WORLD_SIZE, but "
-            f"{problem}. Launch the same number of processes on every node with torchrun / accelerate / deepspeed "
-            "(ranks numbered node by node)."
+            "vlmcp-patch places the Ulysses subgroups inside nodes; no launcher states the node size ("
+            f"{', '.join(v.size for v in NODE_SOURCES)}), and from the ranks' host names {problem}. Launch the same "
+            "number of processes on every node, ranks numbered node by node."
         )
-    return size
+    return NodeAgreement(size=runs[0][1], source="the ranks' host names")
 
 
 def node_size() -> int | None:
     """Ranks per node for the layout (`layout.ulysses_degree`): agreed by every rank when the CP groups were created
-    (`agreed_node_size`), else — before that, or without torch.distributed — this process's LOCAL_WORLD_SIZE; None:
-    unknown (one node)."""
+    (`agree_on_node_size`), else — before that, or without torch.distributed — what this process's launchers state;
+    None: unknown (one node)."""
     world = dist.get_world_size() if distributed_ready() else None
     if world not in _NODE_SIZE:
-        return launcher_node()["local_world_size"]
+        return launch().node_size
     agreed = _NODE_SIZE[world]
     if isinstance(agreed, UnsupportedSetupError):
         raise UnsupportedSetupError(str(agreed))  # a fresh one each time: every forward of the launch refuses
-    return agreed
+    return agreed.size
+
+
+def node_source() -> str | None:
+    """Where the node size the ranks agreed on came from (a launcher's variable, or the host names); None before
+    the CP groups are created or when the launch was refused."""
+    agreed = _NODE_SIZE.get(dist.get_world_size() if distributed_ready() else None)
+    return agreed.source if isinstance(agreed, NodeAgreement) else None
 
 
 def ulysses_for(size: int, heads: list[int]) -> int:
@@ -193,7 +281,7 @@ def _agree_on_nodes(world: int) -> None:
         communicate("all-gather of the launcher's nodes", group, 1,
                     lambda: dist.all_gather_object(nodes, launcher_node(), group=group))
         try:
-            _NODE_SIZE[world] = agreed_node_size(nodes)
+            _NODE_SIZE[world] = agree_on_node_size(nodes)
         except UnsupportedSetupError as error:
             _NODE_SIZE[world] = error
     node_size()

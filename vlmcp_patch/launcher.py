@@ -1,6 +1,6 @@
-"""What the launcher (torchrun / accelerate / deepspeed) tells this process through its environment: the one reader
-of `WORLD_SIZE`, `RANK`, `LOCAL_WORLD_SIZE` and `GROUP_RANK`, used by the groups (`distributed.launcher_node`, the
-node size the layout places subgroups by) and the report.
+"""What the launcher tells this process through its environment: the one reader of `WORLD_SIZE`, `RANK` and of
+every launcher's node variables (`NODE_SOURCES`: torchrun / Accelerate, the `deepspeed` launcher, SLURM, Open MPI,
+MPICH), used by the groups (`distributed.launcher_node`, the node size the layout places subgroups by) and the report.
 
 Read at each call, never cached: a test or a script may set the variables after the import. A variable that is not
 set, or not a number, reads as unknown. Imports nothing of the package.
@@ -13,9 +13,73 @@ import socket
 from dataclasses import dataclass
 
 
-def _number(name: str) -> int | None:
-    raw = os.environ.get(name, "").strip()
+def _number(name: str | None) -> int | None:
+    raw = os.environ.get(name, "").strip() if name else ""
     return int(raw) if raw.isdigit() else None
+
+
+@dataclass(frozen=True)
+class NodeVariables:
+    """How one launcher states this process's node: ranks per node, this process's index inside its node, the node's
+    index, and the number of processes the launcher started (None: it sets the world's own `WORLD_SIZE`)."""
+
+    launcher: str
+    size: str
+    local_rank: str
+    node: str | None = None
+    started: str | None = None
+
+
+# Every launcher whose node variables the layout reads, in the order the report names them.
+NODE_SOURCES = (
+    NodeVariables("torchrun / Accelerate", "LOCAL_WORLD_SIZE", "LOCAL_RANK", node="GROUP_RANK"),
+    NodeVariables("the deepspeed launcher", "LOCAL_SIZE", "LOCAL_RANK", node="CROSS_RANK"),
+    NodeVariables("SLURM", "SLURM_NTASKS_PER_NODE", "SLURM_LOCALID", node="SLURM_NODEID", started="SLURM_NTASKS"),
+    NodeVariables("Open MPI", "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                  started="OMPI_COMM_WORLD_SIZE"),
+    NodeVariables("MPICH", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", started="PMI_SIZE"),
+)
+
+
+@dataclass(frozen=True)
+class NodeStatement:
+    """What one launcher's variables say in this process (`NODE_SOURCES`); None where it did not say."""
+
+    variables: NodeVariables  # the launcher and the names of its variables
+    size: int
+    local_rank: int | None
+    node: int | None
+    started: int | None  # processes that launcher started; None: the world's
+
+    def describes(self, world: int | None) -> bool:
+        """This launcher started the ranks of a world of `world` processes itself. An outer launcher that started
+        fewer (srun starting one torchrun agent per node) describes its agents, not the ranks: its node size is
+        not theirs."""
+        return self.started is None or world is None or self.started == world
+
+    @property
+    def contradicts_itself(self) -> bool:
+        """A local index not below the node size: no launcher numbers so. Accelerate writes `LOCAL_WORLD_SIZE=1`
+        (and keeps `LOCAL_RANK`) on CPU when it knows no launcher's variable (the deepspeed launcher's, SLURM's), so
+        its rank 1 says LOCAL_RANK=1 of a node of 1: such a variable is not the launcher's, and is left out."""
+        return self.local_rank is not None and self.local_rank >= self.size
+
+    @property
+    def source(self) -> str:
+        """How errors and the report name it: e.g. `LOCAL_SIZE (the deepspeed launcher)`."""
+        return f"{self.variables.size} ({self.variables.launcher})"
+
+    @property
+    def stated(self) -> str:
+        """What it says: e.g. `LOCAL_SIZE=2 (the deepspeed launcher)`."""
+        return f"{self.variables.size}={self.size} ({self.variables.launcher})"
+
+
+def node_statements() -> tuple[NodeStatement, ...]:
+    """Each launcher's statement about this process's node, for the launchers whose node-size variable is set."""
+    return tuple(NodeStatement(variables=v, size=_number(v.size),
+                               local_rank=_number(v.local_rank), node=_number(v.node), started=_number(v.started))
+                 for v in NODE_SOURCES if _number(v.size) is not None)
 
 
 @dataclass(frozen=True)
@@ -24,19 +88,29 @@ class Launch:
 
     world_size: int | None
     rank: int | None
-    local_world_size: int | None  # ranks per node
-    group_rank: int | None  # the node's index
+    statements: tuple[NodeStatement, ...]  # every launcher's node variables set here (`node_statements`)
     host: str
+
+    def stated(self) -> tuple[NodeStatement, ...]:
+        """The statements of the launchers that started this world's ranks (`NodeStatement.describes`), less those
+        that contradict themselves here."""
+        return tuple(s for s in self.statements if s.describes(self.world_size) and not s.contradicts_itself)
+
+    @property
+    def node_size(self) -> int | None:
+        """Ranks per node as this process's launchers state it; None when none does, or they disagree (the groups'
+        agreement then refuses the launch, `distributed.agreed_node_size`)."""
+        sizes = {s.size for s in self.stated()}
+        return sizes.pop() if len(sizes) == 1 else None
 
     @property
     def several_nodes(self) -> bool:
         """The launch spans more than one node: fewer ranks per node than in the world."""
-        return (self.local_world_size is not None and self.world_size is not None
-                and 0 < self.local_world_size < self.world_size)
+        return (self.node_size is not None and self.world_size is not None
+                and 0 < self.node_size < self.world_size)
 
 
 def launch() -> Launch:
     """This process's launch, read from the environment now."""
-    return Launch(world_size=_number("WORLD_SIZE"), rank=_number("RANK"),
-                  local_world_size=_number("LOCAL_WORLD_SIZE"), group_rank=_number("GROUP_RANK"),
+    return Launch(world_size=_number("WORLD_SIZE"), rank=_number("RANK"), statements=node_statements(),
                   host=socket.gethostname())

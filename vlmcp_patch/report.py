@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .launcher import launch
+from .launcher import NODE_SOURCES, launch
 from .patching import cp_size
 from .settings import SETTINGS
 from .supported import supported_class_names
@@ -48,6 +48,26 @@ def kernels() -> list[str]:
     return found
 
 
+def entry_lines() -> list[str]:
+    """The entry without a line of code (`AUTOWRAPT_BOOTSTRAP=vlmcp_patch`): whether autowrapt, the variable and the
+    package's entry point are there, and a warning where the variable is set but cannot act."""
+    import os
+
+    asked = "vlmcp_patch" in [g.strip() for g in os.environ.get("AUTOWRAPT_BOOTSTRAP", "").split(",")]
+    installed = importlib.util.find_spec("autowrapt") is not None
+    entry = any(e.name == "transformers" for e in importlib.metadata.entry_points(group="vlmcp_patch"))
+    autowrapt = _version("autowrapt") if installed else 'not installed (pip install "vlmcp-patch[autowrapt]")'
+    hook = "installed" if entry else "missing (reinstall the package)"
+    lines = [f"  AUTOWRAPT_BOOTSTRAP=vlmcp_patch: {'set' if asked else 'not set'}; autowrapt: {autowrapt}",
+             f"  the package's entry point `transformers` (group vlmcp_patch): {hook}"]
+    if asked and not (installed and entry):
+        lines.append("  WARNING: a program that does not import vlmcp_patch itself runs WITHOUT CP here")
+    elif asked:
+        lines.append("  every Python program of this environment imports vlmcp_patch after its first import of "
+                     "transformers")
+    return lines
+
+
 def patches(status: list[dict]) -> list[str]:
     lines = []
     for entry in status:
@@ -76,10 +96,30 @@ def layout() -> list[str]:
     lines.append(f"  CP groups (blocks of {size} consecutive ranks): {shown}")
     lines.append(f"  data-parallel replicas: {world // size}; this rank: replica {rank // size}, "
                  f"position {rank % size}")
-    per_node = here.local_world_size or "not set: one node"
-    lines.append(f"  ranks per node (LOCAL_WORLD_SIZE): {per_node}; Ulysses size: "
-                 f"{SETTINGS.ulysses_size or 'automatic, inside a node'} (VLMCP_ULYSSES_SIZE)")
+    lines += node_lines(here)
+    lines.append(f"  Ulysses size: {SETTINGS.ulysses_size or 'automatic, inside a node'} (VLMCP_ULYSSES_SIZE)")
     lines.append(f"  vision data parallelism: {'on' if SETTINGS.vision_dp else 'off'}")
+    return lines
+
+
+def node_lines(here) -> list[str]:
+    """Ranks per node and which launcher's variable says so (`launcher.NODE_SOURCES`), as the CP groups' agreement
+    will take it (`distributed.agree_on_node_size`); an outer launcher's variables, left out, are named."""
+    stated = here.stated()
+    sizes = {s.size for s in stated}
+    if not stated:
+        names = ", ".join(v.size for v in NODE_SOURCES)
+        lines = [f"  ranks per node: no launcher states it ({names} not set)",
+                 "  ... taken from the ranks' host names when the CP groups are created (one host: one node)"]
+    elif len(sizes) > 1:
+        stated_each = ", ".join(s.stated for s in stated)
+        lines = [f"  ranks per node: the launchers disagree ({stated_each}): the first CP forward will raise"]
+    else:
+        lines = [f"  ranks per node: {sizes.pop()}, from {' and '.join(s.source for s in stated)}"]
+    lines += [f"  {s.stated} left out: " + (
+        f"this process's {s.variables.local_rank}={s.local_rank} is not below it" if s.contradicts_itself else
+        f"that launcher started {s.started} processes, not this world's {here.world_size} (an outer launcher)")
+        for s in here.statements if s not in stated]
     return lines
 
 
@@ -162,7 +202,8 @@ def report(run_self_test: bool = True, text_config=None, name: str = "",
     split at the CP size in effect and at 2 to 16 (and, with `node_size`, at multiples of it up to 8 nodes)."""
     from . import status
 
-    lines = ["== versions", *versions(), "== optional kernels", *kernels(), "== CP layout of this launch", *layout()]
+    lines = ["== versions", *versions(), "== optional kernels", *kernels(), "== CP without a line of code",
+             *entry_lines(), "== CP layout of this launch", *layout()]
     if text_config is not None:
         sizes = sorted({cp_size(), *range(2, 17), *(node_size * n for n in range(1, 9) if node_size)} - {1})
         lines += [f"== {name}: Ulysses x ring by CP size", *model_layout(text_config, sizes, node_size)]

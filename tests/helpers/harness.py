@@ -42,8 +42,9 @@ def _launcher(kind: str, procs: int) -> list[str]:
         return [*python, "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs), "--num_machines",
                 "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
                 "-m"]
-    if kind == "accelerate_fsdp2":  # accelerate launch with the example's FSDP2 config file
-        config = ROOT / "examples" / "accelerate_fsdp2.yaml"
+    if kind in ("accelerate_fsdp2", "accelerate_config"):  # accelerate launch with a config file
+        config = ROOT / ("examples/accelerate_fsdp2.yaml" if kind == "accelerate_fsdp2" else
+                         "tests/helpers/accelerate_ddp.yaml")
         return [*python, "accelerate.commands.launch", "--config_file", str(config), "--num_processes", str(procs),
                 "--main_process_port", str(free_port()), "-m"]
     if kind == "deepspeed":
@@ -55,8 +56,8 @@ def _launcher(kind: str, procs: int) -> list[str]:
 def launch(script: str | Path, args=(), *, procs: int = 1, launcher: str = "torchrun", env: dict | None = None,
            timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `script ARGS` on `procs` processes under `launcher` (python, torchrun, accelerate, accelerate_fsdp2,
-    deepspeed) from the repository root, through tests/helpers/run_script.py (no interpreter finalization at exit);
-    bounded in time."""
+    accelerate_config: DDP from tests/helpers/accelerate_ddp.yaml, deepspeed) from the repository root, through
+    tests/helpers/run_script.py (no interpreter finalization at exit); bounded in time."""
     cmd = [*_launcher(launcher, procs), "tests.helpers.run_script", str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "VLMCP_TIMEOUT": str(HANG_TIMEOUT), **(env or {})}
     # A session of its own: on timeout the launcher *and* its ranks are killed, so no orphaned rank keeps

@@ -2,7 +2,12 @@
 that every process sees LOCAL_WORLD_SIZE=2 and its node's GROUP_RANK. CP over all 4 ranks on the tiny Qwen3.5 (8
 query heads, 8 DeltaNet value heads: the heads alone would allow U = 4, an all-to-all across both nodes).
 
-Writes `rank<r>.json` into the folder given as its argument: the node size the ranks agreed on, U, this rank's node,
+With `VLMCP_TEST_LAUNCHER` set to another launcher (`tests/helpers/launcher_envs.py`), each rank first rewrites its
+environment to hold only that launcher's node variables; `none` keeps none of them and gives each "node" a host name
+of its own (what two machines would report), so the node size can only come from the host names.
+
+Writes `rank<r>.json` into the folder given as its argument: the node size the ranks agreed on and its source, U,
+this rank's node,
 the global ranks of its Ulysses subgroup and of its ring, and the parity of loss, logits and every gradient (summed
 over the group) with stock at P=1.
 """
@@ -22,7 +27,23 @@ from tests.helpers.cases import MULTI_IMAGE, build_batch
 from tests.helpers.parity import compare
 
 
+def simulate_launcher() -> int:
+    """This rank's node (its torchrun agent's GROUP_RANK), after its environment was rewritten to hold only the node
+    variables of VLMCP_TEST_LAUNCHER (default: torchrun's own)."""
+    from tests.helpers.launcher_envs import as_launched_by
+
+    node = int(os.environ["GROUP_RANK"])
+    launcher = os.environ.get("VLMCP_TEST_LAUNCHER", "torchrun")
+    as_launched_by(launcher, per_node=int(os.environ["LOCAL_WORLD_SIZE"]))
+    if launcher == "none":  # two machines: each node's ranks report their own host
+        import socket
+
+        socket.gethostname = lambda: f"simulated-node-{node}"
+    return node
+
+
 def main() -> None:
+    node = simulate_launcher()
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=float(os.environ.get("VLMCP_TIMEOUT", "120")))
     dist.init_process_group("gloo", timeout=timeout)
@@ -44,8 +65,9 @@ def main() -> None:
         mine = {"ulysses_ranks": dist.get_process_group_ranks(groups["ulysses"]), "ring_ranks": groups["ring"][1]}
     result = {
         "rank": dist.get_rank(),
-        "node": int(os.environ["GROUP_RANK"]),
+        "node": node,
         "node_size": distributed.node_size(),
+        "node_source": distributed.node_source(),
         "ulysses": ulysses,
         **mine,
         **{k: metrics[k] for k in ("loss_err", "logits_err", "grad_err", "worst_grad", "missing_grads")},

@@ -1,0 +1,210 @@
+"""CP with no line changed: `AUTOWRAPT_BOOTSTRAP=vlmcp_patch` applies the package when a program first imports
+transformers (autowrapt's startup file, the package's `vlmcp_patch` entry point, `vlmcp_patch_autowrapt.py`).
+
+A process that never imports transformers imports nothing of the package, torch or transformers; one that does
+holds the patches (also where TRL imports transformers inside its own import), and without the variable it does not
+(the control). Launched, each at `VLMCP_CP_SIZE=2` on 2 processes and equal to the same command as one process, with
+the variable-less two-process launch as the control (DDP shards the data, the weights differ): TRL's `trl sft` CLI on
+a tiny local checkpoint and data set; a stock HF Trainer script that imports nothing of the package
+(`tests/helpers/stock_trainer_script.py`) under `accelerate launch` with a config file, torchrun and the `deepspeed`
+launcher (DDP over the launcher's ranks, and ZeRO-3).
+
+These need the package installed with its entry point and autowrapt (`pip install -e ".[test]"`): the startup file
+lives in site-packages. They are skipped, saying so, where that is not the case; `python -m vlmcp_patch` says it
+too (a warning where the variable is set and cannot act).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.harness import ROOT, _dump_stacks_then_kill, free_port, launch
+from vlmcp_patch.fixtures.compare import state_dict_error
+
+
+def _bootstrap_installed() -> bool:
+    """autowrapt is installed and this checkout's entry point `transformers` is in the `vlmcp_patch` group."""
+    entries = importlib.metadata.entry_points(group="vlmcp_patch")
+    return importlib.util.find_spec("autowrapt") is not None and any(
+        e.name == "transformers" and e.value.startswith("vlmcp_patch_autowrapt:") for e in entries)
+
+
+NEEDS_BOOTSTRAP = pytest.mark.skipif(not _bootstrap_installed(), reason="needs autowrapt and the package's entry "
+                                     "point installed: pip install -e '.[test]'")
+
+ON, OFF = {"AUTOWRAPT_BOOTSTRAP": "vlmcp_patch"}, {"AUTOWRAPT_BOOTSTRAP": ""}  # autowrapt ignores an empty value
+
+
+def _python(code: str, env: dict) -> str:
+    """The stdout of `python -c code` in a fresh interpreter (its startup files processed), with `env` added."""
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+@NEEDS_BOOTSTRAP
+def test_a_process_that_never_imports_transformers_imports_nothing_of_the_package():
+    code = "import sys, json; print(json.dumps(sorted(sys.modules)))"
+    loaded = set(json.loads(_python(code, ON)))
+    assert "vlmcp_patch_autowrapt" in loaded  # the control: the bootstrap did run (wrapt loads the entry point)
+    heavy = sorted(m for m in loaded if m.split(".")[0] in ("vlmcp_patch", "torch", "transformers"))
+    assert heavy == [], heavy
+    assert "vlmcp_patch_autowrapt" not in set(json.loads(_python(code, OFF)))  # unset: not even the hook module
+
+
+@NEEDS_BOOTSTRAP
+@pytest.mark.parametrize("first_import", ["import transformers", "import trl; trl.SFTConfig"])
+def test_importing_transformers_applies_the_patches_only_with_the_variable(first_import):
+    """Also where transformers is first imported inside another package's import (TRL's config module): the
+    package then arrives when that import ends, its TRL patches installed (no circular import)."""
+    code = (f"{first_import}; import sys; m = sys.modules.get('vlmcp_patch'); "
+            "print(m is not None and m.PATCHES.active, m is not None and m.cp_size(), "
+            "m is not None and any(t.startswith('trl.') for t in m.PATCHES._undo))")
+    expected = "True 2 True" if "trl" in first_import else "True 2 False"
+    assert _python(code, {**ON, "VLMCP_CP_SIZE": "2"}) == expected
+    assert _python(code, {**OFF, "VLMCP_CP_SIZE": "2"}) == "False False False"  # the control: inert when unset
+
+
+def test_the_report_says_whether_the_variable_can_act(monkeypatch):
+    from vlmcp_patch.report import entry_lines
+
+    monkeypatch.setenv("AUTOWRAPT_BOOTSTRAP", "other_group, vlmcp_patch")
+    lines = entry_lines()
+    assert lines[0].startswith("  AUTOWRAPT_BOOTSTRAP=vlmcp_patch: set;")
+    warned = any("runs WITHOUT CP here" in line for line in lines)
+    assert warned != _bootstrap_installed(), lines
+    monkeypatch.delenv("AUTOWRAPT_BOOTSTRAP")
+    assert entry_lines()[0].startswith("  AUTOWRAPT_BOOTSTRAP=vlmcp_patch: not set;") and len(entry_lines()) == 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint_and_data(tmp_path_factory):
+    """A tiny Qwen3-VL checkpoint folder and a file of tokenized samples with pictures, for the stock script."""
+    from vlmcp_patch.fixtures.data import IGNORE_INDEX, PAD_TOKEN_ID, synthetic_dataset
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+
+    folder = tmp_path_factory.mktemp("stock-run")
+    build_model(tiny_qwen3_vl_config(attn_implementation="sdpa"), seed=0).save_pretrained(folder / "model")
+    samples = []
+    for sample in synthetic_dataset(32):
+        row = sample.as_dict()
+        row["labels"] = row["input_ids"].masked_fill(row["mm_token_type_ids"] != 0, IGNORE_INDEX)
+        samples.append(row)
+    torch.save({"samples": samples, "pad_token_id": PAD_TOKEN_ID}, folder / "samples.pt")
+    return folder
+
+
+SCRIPT = ROOT / "tests" / "helpers" / "stock_trainer_script.py"
+
+
+def _train(folder: Path, name: str, procs: int, launcher: str, env: dict, extra=()) -> tuple[dict, dict]:
+    """(trained weights, run facts) of the stock script launched as given."""
+    out = folder / name
+    run = launch(SCRIPT, [folder / "model", folder / "samples.pt", out, *extra], procs=procs, launcher=launcher,
+                 env=env, timeout=400)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return torch.load(out / "weights.pt"), json.loads((out / "run.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_process(checkpoint_and_data):
+    """The reference: the same stock script, one process, no variable (stock transformers)."""
+    weights, facts = _train(checkpoint_and_data, "one-process", 1, "python", {**OFF, "VLMCP_CP_SIZE": "1"})
+    assert not facts["vlmcp_patch"] and facts["world"] == 1
+    return weights
+
+
+@NEEDS_BOOTSTRAP
+@pytest.mark.integration
+@pytest.mark.parametrize("launcher", ["accelerate_config", "torchrun", "deepspeed"])
+def test_an_unmodified_trainer_script_launched_at_cp2_trains_as_one_process(launcher, checkpoint_and_data,
+                                                                             one_process):
+    weights, facts = _train(checkpoint_and_data, f"cp2-{launcher}", 2, launcher, {**ON, "VLMCP_CP_SIZE": "2"})
+    assert facts["vlmcp_patch"] and facts["world"] == 2  # the script never imported it: the bootstrap did
+    assert state_dict_error(weights, one_process) <= 1e-4
+
+
+@NEEDS_BOOTSTRAP
+@pytest.mark.integration
+def test_an_unmodified_zero3_trainer_script_under_the_deepspeed_launcher_at_cp2_trains_as_one_process(
+        checkpoint_and_data, one_process):
+    config = ROOT / "examples" / "ds_trainer_zero3.json"
+    weights, facts = _train(checkpoint_and_data, "cp2-zero3", 2, "deepspeed", {**ON, "VLMCP_CP_SIZE": "2"},
+                            extra=[config])
+    assert facts["vlmcp_patch"] and facts["wrapper"] == "DeepSpeed ZeRO-3", facts
+    assert state_dict_error(weights, one_process) <= 1e-4
+
+
+@NEEDS_BOOTSTRAP
+@pytest.mark.integration
+@pytest.mark.parametrize("launcher", ["accelerate_config", "deepspeed"])
+def test_without_the_variable_the_same_launch_shards_the_data(launcher, checkpoint_and_data, one_process):
+    """The control: VLMCP_CP_SIZE=2 alone does nothing to a script that does not import the package — DDP (ZeRO-3
+    under the deepspeed launcher) gives each process different samples, and the weights differ from one process's."""
+    extra = [ROOT / "examples" / "ds_trainer_zero3.json"] if launcher == "deepspeed" else []
+    weights, facts = _train(checkpoint_and_data, f"stock-{launcher}", 2, launcher, {**OFF, "VLMCP_CP_SIZE": "2"},
+                            extra=extra)
+    assert not facts["vlmcp_patch"] and facts["world"] == 2
+    assert facts["wrapper"] == ("DeepSpeed ZeRO-3" if launcher == "deepspeed" else "DistributedDataParallel"), facts
+    assert state_dict_error(weights, one_process) > 1e-2
+
+
+TRL = Path(sys.executable).with_name("trl")  # the CLI's console script, beside this interpreter
+TRL_ARGS = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_steps", "3",
+            "--learning_rate", "0.05", "--optim", "sgd", "--lr_scheduler_type", "constant", "--logging_steps", "1",
+            "--save_strategy", "no", "--report_to", "none", "--use_cpu", "--bf16", "false", "--dataloader_drop_last",
+            "--seed", "0", "--trust_remote_code", "--attn_implementation", "sdpa", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def trl_inputs(tmp_path_factory):
+    from tests.helpers.trl_cli_checkpoint import write_checkpoint, write_dataset
+
+    folder = tmp_path_factory.mktemp("trl-cli")
+    return write_checkpoint(folder / "model"), write_dataset(folder / "data")
+
+
+def _trl_sft(inputs, out: Path, procs: int, env: dict) -> dict:
+    """`trl sft` on the tiny checkpoint and data, through its Accelerate launcher (the DDP config file), on `procs`
+    processes: the weights it saved."""
+    from safetensors.torch import load_file
+
+    model, data = inputs
+    cmd = [str(TRL), "sft", "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
+           *TRL_ARGS, "--config_file", str(ROOT / "tests" / "helpers" / "accelerate_ddp.yaml"), "--num_processes",
+           str(procs), "--main_process_port", str(free_port())]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                          cwd=out.parent, start_new_session=True) as proc:
+        try:
+            _, stderr = proc.communicate(timeout=400)
+        except subprocess.TimeoutExpired:
+            _dump_stacks_then_kill(lambda sig: os.killpg(proc.pid, sig))
+            raise
+    assert proc.returncode == 0, stderr[-4000:]
+    return load_file(out / "model.safetensors")
+
+
+@NEEDS_BOOTSTRAP
+@pytest.mark.integration
+@pytest.mark.skipif(not TRL.exists(), reason="TRL's `trl` command is not installed beside this interpreter")
+def test_trl_sft_cli_at_cp2_trains_as_one_process(trl_inputs, tmp_path):
+    """TRL's own CLI, unmodified, at CP = 2 through its Accelerate launcher, equal to the same command on one process
+    (fp32: `--bf16 false`, TRL's default is bf16). The control: without the variable the two processes shard the data.
+    TRL imports transformers inside its own `trl.trainer.sft_config` import: the package then comes in as that import
+    ends (`vlmcp_patch_autowrapt.on_transformers_import`)."""
+    one = _trl_sft(trl_inputs, tmp_path / "one", 1, {**OFF, "VLMCP_CP_SIZE": "1"})
+    cp2 = _trl_sft(trl_inputs, tmp_path / "cp2", 2, {**ON, "VLMCP_CP_SIZE": "2"})
+    assert state_dict_error(cp2, one) <= 1e-4
+    stock = _trl_sft(trl_inputs, tmp_path / "stock2", 2, {**OFF, "VLMCP_CP_SIZE": "2"})
+    assert state_dict_error(stock, one) > 1e-3
