@@ -104,4 +104,6 @@ def test_offload_under_cp_is_bit_identical(once):
 @pytest.mark.parametrize("theirs", ["transformers offload", "accelerate offload"])
 def test_foreign_offload_is_refused_under_cp_before_compute(theirs, once):
     for per_case in once(offload_run, 2):
+        if per_case[theirs] == "not in this transformers":
+            pytest.skip("transformers' activation_checkpointing_enable(offload=True) arrived in 5.23")
         assert "VLMCP_OFFLOAD_CHECKPOINTS=1" in per_case[theirs], per_case[theirs]
