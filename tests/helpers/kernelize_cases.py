@@ -7,11 +7,12 @@ with no kernel for the layer it binds the class's own forward the same way. Func
 `use_kernelized_func` are `nn.Module`s made by `use_kernel_forward_from_hub` (a `Func` whose forward calls the
 function), replaced the same way.
 
-transformers 5.25 applies those decorators only with `kernels>=0.19.1`, which the registries here do not serve, and
-real kernels come from the hub. So: where `kernels` is installed (0.17.2 here), these cases mark the classes and
-functions as transformers' decorators would (`replace_kernel_forward_from_hub`, `use_kernel_forward_from_hub`,
-`_kernel_funcs`) and run `kernels.kernelize` itself, with a mapping to an in-process repository that loads the CPU
-stand-in kernels below (no hub); without `kernels` they replace the forwards exactly as kernelize does.
+transformers 5.25 applies those decorators only with `kernels>=0.19.1`, and real kernels come from the hub. So:
+where a `kernels` before 0.19 is installed, these cases mark the classes and functions as transformers' decorators
+would (`replace_kernel_forward_from_hub`, `use_kernel_forward_from_hub`, `_kernel_funcs`) and run
+`kernels.kernelize` itself, with a mapping to an in-process repository that loads the CPU stand-in kernels below (no
+hub); with 0.19 or later (transformers decorated the classes itself, each layer with private function wrappers) and
+without `kernels` they replace the forwards exactly as kernelize does.
 """
 
 from __future__ import annotations
@@ -28,9 +29,16 @@ CALLS = {"conv": 0, "layer": 0}
 
 
 def _kernels():
+    """`kernels` where these cases can drive `kernels.kernelize` itself (the releases before 0.19, whose decorators
+    transformers 5.25 leaves unapplied), else None: the forwards are then replaced as kernelize does. From 0.19
+    transformers decorates the classes itself, and marking them again here would route a kernel function to itself."""
     try:
         import kernels
     except ImportError:
+        return None
+    from packaging.version import Version
+
+    if Version(getattr(kernels, "__version__", "0")) >= Version("0.19"):
         return None
     wanted = ("kernelize", "use_kernel_mapping", "Mode", "replace_kernel_forward_from_hub",
               "use_kernel_forward_from_hub")
@@ -86,7 +94,8 @@ def mark_as_transformers_does(model) -> None:
 
             modeling.causal_conv1d_fn = Func()
     for layer in _layers(model):
-        vars(layer).setdefault("_kernel_funcs", {})["causal_conv1d_fn"] = modeling.causal_conv1d_fn
+        if not hasattr(layer, "_kernel_funcs"):  # kernels>=0.19's decorator gives each layer private wrappers of its own
+            vars(layer)["_kernel_funcs"] = {"causal_conv1d_fn": modeling.causal_conv1d_fn}
     # kernels checks that a kernel's forward has the replaced forward's parameters, in number and kind
     HubDeltaNet.forward.__signature__ = inspect.signature(layer_class.forward)
 
