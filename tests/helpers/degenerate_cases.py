@@ -51,14 +51,6 @@ def degenerate_batch(name: str) -> dict:
     return change(batch) if change else batch
 
 
-def _loss_and_grads(model, batch: dict):
-    model.zero_grad(set_to_none=True)
-    out = model(**batch)
-    out.loss.backward()
-    return float(out.loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                      if p.grad is not None}
-
-
 def _same_loss(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-5 * max(abs(b), 1e-30)
 
@@ -68,20 +60,22 @@ def compare_degenerate(model, batch: dict, cp_size: int) -> dict:
     CP group that are not finite, the largest relative error of a gradient (`gradient_errors`, as the parity tests
     measure it), and whether every gradient stock gives as exact zeros is exact zeros under CP too."""
     import vlmcp_patch
+    from tests.helpers.parity import _forward_backward
     from vlmcp_patch.fixtures.compare import gradient_errors, summed_over_group
     from vlmcp_patch.fixtures.probes import CollectiveProbe
 
     vlmcp_patch.revert()
     try:
-        ref_loss, ref_grads = _loss_and_grads(model, batch)
+        ref_out, ref_grads = _forward_backward(model, batch)
     finally:
         vlmcp_patch.apply()
     vlmcp_patch.enable(cp_size=cp_size)
     try:
         with CollectiveProbe() as probe:
-            loss, grads = _loss_and_grads(model, batch)
+            out, grads = _forward_backward(model, batch)
     finally:
         vlmcp_patch.enable(cp_size=1)
+    loss, ref_loss = float(out.loss.detach()), float(ref_out.loss.detach())
     summed = summed_over_group(grads, vlmcp_patch.get_cp_group(cp_size).group)
     errors, _ = gradient_errors(summed, ref_grads) if any(g.abs().max() > 0 for g in ref_grads.values()) else ({}, {})
     zeros_kept = all(torch.equal(summed[n], g) for n, g in ref_grads.items() if n in summed and not g.any())
