@@ -16,7 +16,11 @@ Sections (each prints its numbers; record them in docs/testing.md ("GPU check") 
 6. the attained rates in the units `python -m vlmcp_patch plan` takes (matmul and attention TFLOP/s, the
    all-to-all's bus bandwidth in GB/s): printed as the flags to pass it, so one run calibrates the plan;
 7. with two GPUs or more: what a stalled CP collective looks like on NCCL — two ranks under torchrun, a CP group
-   with a 10 s timeout, one rank never issuing the all-to-all: how long until the job ends, and how (docs/errors.md).
+   with a 10 s timeout, one rank never issuing the all-to-all: how long until the job ends, and how (docs/errors.md);
+8. checkpoint offload (`VLMCP_OFFLOAD_CHECKPOINTS`): a checkpointed training step with and without it — step time
+   (goal: at most 6 % slower), device peak, the host pool, gradients bit-identical;
+9. the tiled MLP (`tiles.py`): one Qwen3-VL-8B-sized decoder MLP over a long slice, forward + backward, in tiles
+   against whole — device peak, time, gradients.
 """
 
 from __future__ import annotations
@@ -279,6 +283,88 @@ def nccl_stall(setup: Setup) -> None:
             setup.say(f"    {line[:200]}")
 
 
+def _step_peak_gib(setup: Setup) -> float:
+    return torch.cuda.max_memory_allocated(setup.device) / 2**30 if setup.device.type == "cuda" else float("nan")
+
+
+def _reset_peak(setup: Setup) -> None:
+    if setup.device.type == "cuda":
+        torch.cuda.synchronize(setup.device)
+        torch.cuda.reset_peak_memory_stats(setup.device)
+
+
+def checkpoint_offload(setup: Setup) -> None:
+    """Section 8: one checkpointed step of a text row, the package's checkpoint offload off and on (one process,
+    P=1: the offload applies with CP or not)."""
+    from vlmcp_patch.offload import HOST_CHECKPOINTS
+
+    tokens = 1024 if setup.dry_run else 32768
+    setup.say(f"== 8. checkpoint offload: a checkpointed step of {tokens} tokens, VLMCP_OFFLOAD_CHECKPOINTS off / on")
+    model = setup.model("qwen3-vl") if setup.dry_run else build_model(
+        MODELS["qwen3-vl"](layers=12, vision_depth=2), seed=0, dtype=setup.dtype).to(setup.device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    row, _ = make_packed_batch([[S(text=tokens)]], seed=0)
+    row = {k: v.to(setup.device) if torch.is_tensor(v) else v for k, v in row.items()}
+    results = {}
+    for offload in (False, True):
+        vlmcp_patch.enable(cp_size=1, offload_checkpoints=offload)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(**row).loss.backward()
+
+        step()  # warm-up (and the host pool's first allocation)
+        _reset_peak(setup)
+        seconds = _seconds(setup, step, 1 if setup.dry_run else 5)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[offload] = (seconds, _step_peak_gib(setup), grads)
+    vlmcp_patch.enable(offload_checkpoints=False)
+    (t_off, peak_off, g_off), (t_on, peak_on, g_on) = results[False], results[True]
+    identical = g_off.keys() == g_on.keys() and all(torch.equal(g_off[n], g_on[n]) for n in g_off)
+    setup.say(f"  step {t_off:.4f} s without, {t_on:.4f} s with offload: x{t_on / t_off:.3f} (goal <= 1.06); "
+              f"device peak {peak_off:.2f} -> {peak_on:.2f} GiB; host pool "
+              f"{HOST_CHECKPOINTS.pool.reserved / 2**30:.3f} GiB; gradients bit-identical: {identical}")
+    model.gradient_checkpointing_disable()
+
+
+def tiled_mlp(setup: Setup) -> None:
+    """Section 9: one decoder MLP of Qwen3-VL-8B's size (hidden 4096, intermediate 12288) over a long slice, forward
+    and backward whole and in the package's automatic tiles (`tiles.run_in_tiles`)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextMLP
+
+    from vlmcp_patch.tiles import TILES, run_in_tiles
+
+    tokens, hidden, inter = (4096, 64, 256) if setup.dry_run else (65536, 4096, 12288)
+    setup.say(f"== 9. tiled MLP: {tokens} tokens through a {hidden} x {inter} gated MLP, whole and in tiles")
+    config = tiny_qwen3_vl_config().get_text_config()
+    config.hidden_size, config.intermediate_size = hidden, inter
+    torch.manual_seed(0)
+    mlp = Qwen3VLTextMLP(config).to(setup.device, setup.dtype)
+    x = torch.randn(tokens, hidden, device=setup.device, dtype=setup.dtype)
+    grad_out = torch.randn_like(x)
+    results = {}
+    for tiled in (False, True):
+        def step():
+            mlp.zero_grad(set_to_none=True)
+            xs = x.detach().requires_grad_()
+            out = run_in_tiles(mlp, [xs], mlp, hidden, 4 * inter) if tiled else mlp(xs)
+            out.backward(grad_out)
+            return xs.grad
+
+        step()
+        _reset_peak(setup)
+        TILES.drain()
+        seconds = _seconds(setup, step, 1 if setup.dry_run else 5)
+        results[tiled] = (seconds, _step_peak_gib(setup), step(), {n: p.grad.clone() for n, p in mlp.named_parameters()})
+    counts = TILES.drain()
+    (t_whole, peak_whole, gx_whole, gp_whole), (t_tiled, peak_tiled, gx_tiled, gp_tiled) = results[False], results[True]
+    worst = max(rel_err(gp_tiled[n], gp_whole[n]) for n in gp_whole)
+    setup.say(f"  {counts['forward_tiles'] // max(1, counts['calls'])} tiles; step {t_whole:.4f} s whole, "
+              f"{t_tiled:.4f} s tiled: x{t_tiled / t_whole:.3f}; device peak {peak_whole:.2f} -> {peak_tiled:.2f} GiB; "
+              f"input gradient rel. error {rel_err(gx_tiled, gx_whole):.2e}, worst weight gradient {worst:.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, fp32, torch paths, tiny sizes")
@@ -301,6 +387,9 @@ def main() -> None:
     plan_rates(setup)
     if not args.dry_run and setup.rank == 0:
         nccl_stall(setup)
+    if setup.rank == 0 and not (dist.is_initialized() and dist.get_world_size() > 1):
+        checkpoint_offload(setup)  # one process: the sections measure one rank's step
+        tiled_mlp(setup)
     setup.say("gpu_check: done")
     if dist.is_initialized():
         dist.barrier()

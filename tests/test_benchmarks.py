@@ -25,6 +25,19 @@ def test_gpu_check_dry_run_on_cpu_with_two_ranks():
     assert flags and all(float(v) > 0 for v in flags.groups()), out.stdout  # the units `plan` takes
 
 
+def test_gpu_check_dry_run_offload_and_tiled_mlp_sections_in_one_process():
+    """Sections 8 and 9 (one process): the offloaded step's gradients are the same bits, the MLP really ran in
+    several tiles and its gradients equal the whole MLP's."""
+    out = launch(ROOT / "benchmarks" / "gpu_check.py", ["--dry-run"], launcher="python")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "== 8. checkpoint offload" in out.stdout and "gradients bit-identical: True" in out.stdout, out.stdout
+    tiles = re.search(r"== 9\. tiled MLP.*\n  (\d+) tiles;.*input gradient rel\. error ([\d.e+-]+), worst weight "
+                      r"gradient ([\d.e+-]+)", out.stdout)
+    assert tiles and int(tiles.group(1)) > 1, out.stdout
+    assert float(tiles.group(2)) <= 1e-5 and float(tiles.group(3)) <= 1e-5, out.stdout
+    assert "host pool 0.000 GiB" not in out.stdout  # the pool held the checkpoints
+
+
 def test_padding_free_rows_leave_no_padding_per_rank():
     out = launch(ROOT / "benchmarks" / "padding_per_rank.py", ["--sizes", "2", "4"], launcher="python")
     assert out.returncode == 0, out.stderr[-3000:]
