@@ -120,7 +120,7 @@ def _launch_views(monkeypatch, world: int, per_node: int, *launchers: str, host=
     return views
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "slurm", "openmpi", "mpich"])
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "slurm", "srun", "openmpi", "mpich"])
 def test_each_launchers_variables_give_the_node_size_and_the_layout_torchruns_give(launcher, monkeypatch):
     """Two nodes of 4 ranks (P = 8, 8 heads): every launcher's own variables give N = 4, named as the source, and the
     layout torchrun's give (U = 4 inside each node, a ring of 2 across); `python -m vlmcp_patch` names the source."""
@@ -129,13 +129,28 @@ def test_each_launchers_variables_give_the_node_size_and_the_layout_torchruns_gi
 
     agreed = agree_on_node_size(_launch_views(monkeypatch, 8, 4, launcher, host=lambda r: f"host{r // 4}"))
     variable = {"torchrun": "LOCAL_WORLD_SIZE", "deepspeed": "LOCAL_SIZE", "slurm": "SLURM_NTASKS_PER_NODE",
-                "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE", "mpich": "MPI_LOCALNRANKS"}[launcher]
+                "srun": "SLURM_TASKS_PER_NODE", "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE", "mpich": "MPI_LOCALNRANKS"}[launcher]
     assert agreed.size == 4 and agreed.source.startswith(variable), agreed
     ulysses = ulysses_degree(8, [8], agreed.size)
     assert ulysses == 4 and hybrid_rank_lists(8, 8, ulysses) == hybrid_rank_lists(8, 8, ulysses_degree(8, [8], 4))
     assert node_lines(launch())[0].startswith(f"  ranks per node: 4, from {variable} (")
     # the control: the same ranks with no launcher's variables and one host count as one node, U = 8 across both
     assert agreed_node_size(_launch_views(monkeypatch, 8, 4, "none")) is None and ulysses_degree(8, [8], None) == 8
+
+
+def test_slurms_compressed_tasks_per_node_list_gives_each_nodes_count(monkeypatch):
+    """`SLURM_TASKS_PER_NODE` lists every node's tasks (`2(x3),1`): a node's count is at its `SLURM_NODEID`; nodes of
+    different sizes are refused like any unequal nodes; a malformed list says nothing."""
+    from vlmcp_patch.launcher import _tasks_per_node
+
+    assert _tasks_per_node("2(x3),1") == [2, 2, 2, 1] and _tasks_per_node("8") == [8]
+    assert _tasks_per_node("2(x") is None and _tasks_per_node("") is None and _tasks_per_node("a,2") is None
+    uneven = lambda r: {"SLURM_TASKS_PER_NODE": "3,1", "SLURM_NODEID": str(r // 3),  # noqa: E731
+                        "SLURM_LOCALID": str(r % 3 if r < 3 else 0)}
+    views = _launch_views(monkeypatch, 4, 2, "srun", extra=uneven)
+    assert [{st.size for st in view["statements"]} for view in views] == [{3}, {3}, {3}, {1}]
+    with pytest.raises(UnsupportedSetupError, match=r"different SLURM_TASKS_PER_NODE \(SLURM\) values \[1, 3\]"):
+        agree_on_node_size(views)
 
 
 def test_without_launcher_variables_the_host_names_tell_the_nodes(monkeypatch):

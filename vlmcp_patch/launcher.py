@@ -18,16 +18,42 @@ def _number(name: str | None) -> int | None:
     return int(raw) if raw.isdigit() else None
 
 
+def _tasks_per_node(raw: str) -> list[int] | None:
+    """SLURM's compressed list of tasks per node, node by node: `2(x3),1` is [2, 2, 2, 1]; None if malformed."""
+    counts: list[int] = []
+    for part in raw.replace(" ", "").split(","):
+        count, repeated, repeat = part.partition("(x")
+        if not count.isdigit() or (repeated and not (repeat.endswith(")") and repeat[:-1].isdigit())):
+            return None
+        counts += [int(count)] * (int(repeat[:-1]) if repeated else 1)
+    return counts or None
+
+
 @dataclass(frozen=True)
 class NodeVariables:
     """How one launcher states this process's node: ranks per node, this process's index inside its node, the node's
-    index, and the number of processes the launcher started (None: it sets the world's own `WORLD_SIZE`)."""
+    index, and the number of processes the launcher started (None: it sets the world's own `WORLD_SIZE`).
+    `per_node_list`: the size variable lists every node's count in SLURM's compressed form, this node's at the index
+    `node` gives (the one count where all nodes hold the same)."""
 
     launcher: str
     size: str
     local_rank: str
     node: str | None = None
     started: str | None = None
+    per_node_list: bool = False
+
+    def stated_size(self) -> int | None:
+        """The ranks on this process's node, as this launcher's size variable says; None where it does not say."""
+        if not self.per_node_list:
+            return _number(self.size)
+        counts = _tasks_per_node(os.environ.get(self.size, ""))
+        node = _number(self.node)
+        if counts is None:
+            return None
+        if node is not None:
+            return counts[node] if node < len(counts) else None
+        return counts[0] if len(set(counts)) == 1 else None
 
 
 # Every launcher whose node variables the layout reads, in the order the report names them.
@@ -35,6 +61,9 @@ NODE_SOURCES = (
     NodeVariables("torchrun / Accelerate", "LOCAL_WORLD_SIZE", "LOCAL_RANK", node="GROUP_RANK"),
     NodeVariables("the deepspeed launcher", "LOCAL_SIZE", "LOCAL_RANK", node="CROSS_RANK"),
     NodeVariables("SLURM", "SLURM_NTASKS_PER_NODE", "SLURM_LOCALID", node="SLURM_NODEID", started="SLURM_NTASKS"),
+    # set by every srun / sbatch (SLURM_NTASKS_PER_NODE only with --ntasks-per-node): e.g. `4(x2)`
+    NodeVariables("SLURM", "SLURM_TASKS_PER_NODE", "SLURM_LOCALID", node="SLURM_NODEID", started="SLURM_NTASKS",
+                  per_node_list=True),
     NodeVariables("Open MPI", "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                   started="OMPI_COMM_WORLD_SIZE"),
     NodeVariables("MPICH", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", started="PMI_SIZE"),
@@ -77,9 +106,9 @@ class NodeStatement:
 
 def node_statements() -> tuple[NodeStatement, ...]:
     """Each launcher's statement about this process's node, for the launchers whose node-size variable is set."""
-    return tuple(NodeStatement(variables=v, size=_number(v.size),
+    return tuple(NodeStatement(variables=v, size=v.stated_size(),
                                local_rank=_number(v.local_rank), node=_number(v.node), started=_number(v.started))
-                 for v in NODE_SOURCES if _number(v.size) is not None)
+                 for v in NODE_SOURCES if v.stated_size() is not None)
 
 
 @dataclass(frozen=True)

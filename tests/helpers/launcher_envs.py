@@ -17,12 +17,13 @@ import os
 NODE_VARIABLES = (
     "LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
     "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
-    "SLURM_NTASKS_PER_NODE", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_NNODES",
+    "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_NNODES",
     "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
     "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "PMI_SIZE", "PMI_RANK",
 )
 
-LAUNCHERS = ("torchrun", "deepspeed", "slurm", "openmpi", "mpich", "none")
+# slurm: srun with --ntasks-per-node; srun: without it (SLURM_TASKS_PER_NODE only, in SLURM's compressed form)
+LAUNCHERS = ("torchrun", "deepspeed", "slurm", "srun", "openmpi", "mpich", "none")
 
 
 def environment(launcher: str, rank: int, world: int, per_node: int) -> dict[str, str]:
@@ -32,8 +33,11 @@ def environment(launcher: str, rank: int, world: int, per_node: int) -> dict[str
         "torchrun": {"LOCAL_WORLD_SIZE": per_node, "LOCAL_RANK": local, "GROUP_RANK": node,
                      "GROUP_WORLD_SIZE": world // per_node},
         "deepspeed": {"LOCAL_SIZE": per_node, "LOCAL_RANK": local, "CROSS_RANK": node, "CROSS_SIZE": world // per_node},
-        "slurm": {"SLURM_NTASKS_PER_NODE": per_node, "SLURM_LOCALID": local, "SLURM_NODEID": node,
+        "slurm": {"SLURM_NTASKS_PER_NODE": per_node, "SLURM_TASKS_PER_NODE": f"{per_node}(x{world // per_node})",
+                  "SLURM_LOCALID": local, "SLURM_NODEID": node,
                   "SLURM_NTASKS": world, "SLURM_PROCID": rank, "SLURM_NNODES": world // per_node},
+        "srun": {"SLURM_TASKS_PER_NODE": f"{per_node}(x{world // per_node})", "SLURM_LOCALID": local,
+                 "SLURM_NODEID": node, "SLURM_NTASKS": world, "SLURM_PROCID": rank, "SLURM_NNODES": world // per_node},
         "openmpi": {"OMPI_COMM_WORLD_LOCAL_SIZE": per_node, "OMPI_COMM_WORLD_LOCAL_RANK": local,
                     "OMPI_COMM_WORLD_SIZE": world, "OMPI_COMM_WORLD_RANK": rank},
         "mpich": {"MPI_LOCALNRANKS": per_node, "MPI_LOCALRANKID": local, "PMI_SIZE": world, "PMI_RANK": rank},
