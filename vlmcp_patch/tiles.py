@@ -50,22 +50,24 @@ def tile_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
 
 @dataclass
 class TileCounts:
-    """Tiled MLP calls and their tiles since the last `drain` (telemetry; no forward reads it)."""
+    """Tiled calls (of the MLPs; of the vision tower: `vision_tiles.py`) and their tiles since the last `drain`
+    (telemetry; no forward reads it). `facts_key`: the name of the tiles per call in the training logs."""
 
     calls: int = 0
     forward_tiles: int = 0
     backward_tiles: int = 0
+    facts_key: str = "cp_mlp_tiles_per_call"
 
     def drain(self) -> dict:
-        out = dict(vars(self))
+        out = {"calls": self.calls, "forward_tiles": self.forward_tiles, "backward_tiles": self.backward_tiles}
         self.calls = self.forward_tiles = self.backward_tiles = 0
         return out
 
     def facts(self) -> dict:
-        """`VLMCPCallback`'s log entry (the tiles per tiled MLP call since the last log; none when nothing was tiled),
+        """`VLMCPCallback`'s log entry (the tiles per tiled call since the last log; none when nothing was tiled),
         and a fresh count."""
         counts = self.drain()
-        return {"cp_mlp_tiles_per_call": counts["forward_tiles"] / counts["calls"]} if counts["calls"] else {}
+        return {self.facts_key: counts["forward_tiles"] / counts["calls"]} if counts["calls"] else {}
 
 
 TILES = TileCounts()

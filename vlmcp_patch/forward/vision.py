@@ -46,6 +46,7 @@ from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
 from ..layout import BY_ITEMS, EVERY_ITEM, VisionShare, round_up, segments_from_lengths, shard_slice
 from ..stats import STATS
+from ..vision_tiles import encode_in_tiles
 from .arguments import call_arguments
 
 # Keyword arguments that precompute per-patch tables for the whole batch: under CP each rank computes those of
@@ -70,6 +71,25 @@ def _joined_features(out) -> torch.Tensor:
     return torch.cat(_features(out), dim=-1)
 
 
+class _TiledOutput:
+    """Runs the stock tower on one tile, returning its joined features, and remembers what `_split_joined` reads of an
+    output (its class, the merged and deepstack widths) to make, after the tiles, an output of empty fields (no view
+    of a tile's tensors: nothing of them kept alive)."""
+
+    def __init__(self, tower, kwargs: dict):
+        self.tower, self.kwargs, self.cls, self.widths, self.deepstack = tower, kwargs, None, [], False
+
+    def __call__(self, rows: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        out = self.tower(rows, grid_thw=grid_thw, **self.kwargs)
+        self.cls, self.widths = type(out), [f.shape[-1] for f in _features(out)]
+        self.deepstack = getattr(out, "deepstack_features", None) is not None
+        return _joined_features(out)
+
+    def template(self, like: torch.Tensor):
+        merged, *levels = [like.new_empty((0, w)) for w in self.widths]
+        return self.cls(pooler_output=merged, **({"deepstack_features": levels} if self.deepstack else {}))
+
+
 def _tower_placement(tower) -> dict:
     """Where and in which dtype the tower computes: its share of pixel rows is copied there once."""
     return {"device": next(tower.parameters()).device, "dtype": tower.dtype}
@@ -90,8 +110,14 @@ def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionS
     placement = _tower_placement(tower)
     if share.mine(cp.rank):
         local = pixel_share(pixels, share.patch_rows(cp.rank), placement)
-        out = tower(local, grid_thw=share.local_grid(cp.rank, placement["device"]), **kwargs)
-        joined = _joined_features(out)
+        grid = share.local_grid(cp.rank, placement["device"])
+        tiled = _TiledOutput(tower, kwargs)
+        joined = encode_in_tiles(tower, local, grid.tolist(), tiled)
+        if joined is not None:  # the tower in tiles (`vision_tiles.py`): only the features were kept
+            out = tiled.template(joined)
+        else:
+            out = tower(local, grid_thw=grid, **kwargs)
+            joined = _joined_features(out)
     else:
         # The placeholder's rows are dropped; the empty selection keeps its backward (and the exchange) running on
         # this rank, with a zero gradient.
