@@ -362,8 +362,8 @@ def test_callback_rejects_bad_setups_before_training():
 # --------------------------------------------------------------------------------------------------------
 # The MLPs in tiles (vlmcp_patch/tiles.py) and the vision tower in tiles of items (vlmcp_patch/vision_tiles.py)
 # under each wrapper's gradient hooks: each parameter's gradient is summed over the tiles and accumulated once, so
-# DDP's buckets, ZeRO's reduce-scatters and FSDP2's reduce see one gradient. A tower ZeRO-3 partitions or FSDP2
-# shards per block runs untiled (its gathers would follow each rank's number of tiles).
+# DDP's buckets, ZeRO's reduce-scatters and FSDP2's reduce see one gradient. A tower ZeRO-3 or FSDP2 gathers block by
+# block runs untiled (its gathers would follow each rank's number of tiles).
 
 
 @INTEGRATION

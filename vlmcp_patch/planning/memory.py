@@ -73,8 +73,8 @@ def vision_elements(d: ModelDims) -> float:
 
 def vision_tile(d: ModelDims, t: Training, patches: int, size: int) -> int:
     """Patches of one tile of the vision tower over a rank's `patches` (the package's automatic rule,
-    `vision_tiles.tile_patches`); 0 when the tower runs untiled: tiling off, CP off, a tower ZeRO-3 / FSDP gathers
-    per module (the package runs it whole), or one tile."""
+    `vision_tiles.tile_patches`); 0 when the tower runs untiled: tiling off, CP off, ZeRO-3 / FSDP (which gather the
+    tower block by block: the package runs it whole), or one tile."""
     if not (t.tiled_vision and size > 1 and d.vision_depth and patches) or t.sharding in ("zero3", "fsdp"):
         return 0
     work = d.vision_depth * (13 * d.vision_width + 2 * d.vision_intermediate)
