@@ -19,8 +19,10 @@ def vision_tiles_run(cp_size: int):
 
 @pytest.mark.parametrize("cp_size", sorted(CASES))
 def test_tiled_vision_tower_equals_stock(cp_size, once):
-    ran = 0
-    for rank, per_case in enumerate(once(vision_tiles_run, cp_size)):
+    ran, results = 0, once(vision_tiles_run, cp_size)
+    for case in results[0]:  # the group takes one path: every rank tiles the same tower calls (ZeRO-2 needs it)
+        assert len({per_case[case]["tiles"]["calls"] for per_case in results}) == 1, case
+    for rank, per_case in enumerate(results):
         for case, m in per_case.items():
             where = f"{case}, P={cp_size}, rank {rank}"
             assert m["loss_err"] <= TOL and m["logits_err"] <= TOL, where
@@ -29,7 +31,7 @@ def test_tiled_vision_tower_equals_stock(cp_size, once):
             tiles = m["tiles"]
             # the training step and the logits' forward: each tiled tower call ran every tile forward, the step's
             # once more in backward
-            assert tiles["forward_tiles"] >= 2 * tiles["calls"], (where, tiles)
+            assert tiles["forward_tiles"] >= tiles["calls"] > 0, (where, tiles)
             assert tiles["backward_tiles"] * 2 <= tiles["forward_tiles"], (where, tiles)
             ran += tiles["backward_tiles"]
             # one accumulation per vision parameter per tower call: stock's (images, videos), then CP's

@@ -13,8 +13,14 @@ are alive at a time.
 
 Each parameter's gradient is summed over the tiles inside the function and returned once, as the gradient of that
 input: autograd accumulates it into `.grad` once per backward (per tower call), as the untiled tower does, so the
-hooks of DDP see one gradient. A tower whose parameters ZeRO-3 partitions or FSDP2 shards per module runs untiled:
-its gathers would follow each rank's own number of tiles (different collectives on different ranks).
+hooks of DDP and ZeRO-2 see one gradient. A tower whose parameters ZeRO-3 partitions or FSDP2 shards per module runs
+untiled: its gathers would follow each rank's own number of tiles (different collectives on different ranks).
+
+The ranks of a CP group take one path (`group_tiles`): when any rank's share makes several tiles, every rank runs its
+share through the function, in one tile if that is all it makes (a rank with nothing to encode: its placeholder as
+one tile). The vision parameters' gradients then arrive in the same order on every rank — ZeRO-2 packs gradients into
+its buckets in the order they arrive and reduces the buckets' flat buffers across ranks, so a tiled rank beside an
+untiled one (all weights' gradients at once against block by block) would sum different parameters' gradients.
 
 Tiles (`plan_tiles`): a rank's units split into their temporal patch groups (a video unit of t groups is t
 independent groups to the tower), packed in order into tiles of at most `tile_patches` patches (a group larger than
@@ -23,7 +29,7 @@ that is a tile of its own); each tile is one contiguous range of the rank's pixe
 
 Tile size (`tile_patches`): `vision_tile_patches` when set; else equal tiles whose activations (every block's, as
 a tile's recompute keeps them) take at most the memory of the share's kept features, and hold at least `MIN_TILE`
-patches. A share of one tile runs the stock tower, untouched.
+patches. When no rank's share makes two tiles, every rank runs the stock tower, untouched.
 
 RNG: each tile's recompute replays the random state its forward started from (as torch's checkpoint does), so a
 tower with dropout recomputes the same masks; the masks themselves are drawn per tile, so differ from an untiled
@@ -212,20 +218,25 @@ def tiling_applies(tower: torch.nn.Module) -> bool:
             and not _sharded_per_module(tower))
 
 
+def _tiles_of(config, units: Sequence[tuple[int, int, int]]) -> list[Tile]:
+    """The tiles of a share whose units are `units` [(frames, height, width)], by the automatic or configured size."""
+    patches = sum(t * h * w for t, h, w in units)
+    budget = tile_patches(patches, vision_work_per_patch(config), kept_per_patch(config), SETTINGS.vision_tile_patches)
+    return plan_tiles(units, budget, config.spatial_merge_size**2)
+
+
+def group_tiles(tower, shares: Sequence[Sequence[tuple[int, int, int]]]) -> bool:
+    """Whether the group runs the tower in tiles: tiling applies and some rank's share (`shares[r]`: rank r's units
+    [(frames, height, width)]) makes two tiles or more. The same on every rank: the shares are the plan's."""
+    return tiling_applies(tower) and any(len(_tiles_of(tower.config, units)) > 1 for units in shares)
+
+
 def encode_in_tiles(tower, pixels: torch.Tensor, units: Sequence[tuple[int, int, int]],
-                    encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+                    encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The joined features (merged tokens, features) of a share by items — `pixels` (patches, width) its rows,
-    `units` [(frames, height, width)] its grid — computed in tiles; `encode(pixels, grid_thw)` runs the stock tower
-    and returns the joined features. None when tiling does not apply or the share makes one tile (the caller then
-    runs the stock tower)."""
-    if not tiling_applies(tower):
-        return None
-    config = tower.config
-    budget = tile_patches(pixels.shape[0], vision_work_per_patch(config), kept_per_patch(config),
-                          SETTINGS.vision_tile_patches)
-    tiles = plan_tiles(units, budget, config.spatial_merge_size**2)
-    if len(tiles) < 2:
-        return None
+    `units` [(frames, height, width)] its grid — computed in tiles (one if that is all it makes: `group_tiles`
+    decides for the group); `encode(pixels, grid_thw)` runs the stock tower and returns the joined features."""
+    tiles = _tiles_of(tower.config, units)
     device = pixels.device
 
     def encode_tile(tile: Tile, rows: torch.Tensor) -> torch.Tensor:

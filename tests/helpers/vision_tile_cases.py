@@ -16,10 +16,14 @@ VIDEO_GROUPS = [[S(text=5), S(video=(8, 16, 16)), S(text=4), S(image=(16, 24)), 
 # Two videos of four groups each, each a rank's fair share at P=2: whole units of four groups, which the tiles split.
 TWO_VIDEOS = [[S(text=3), S(video=(8, 16, 16)), S(text=4), S(video=(8, 16, 16)), S(text=2)]]
 
+# A video of four small groups beside a one-group video as large: at P=2 rank 0 encodes the first (four tiles of a
+# group), rank 1 the second (one tile, which it runs through the tiles too: the group takes one path).
+UNEVEN_VIDEOS = [[S(text=3), S(video=(4, 16, 16)), S(text=4), S(video=(1, 32, 32)), S(text=2)]]
+
 # Per CP size, (family, gradient checkpointing, layout, patches per tile): 1 is a tile per temporal group (or image).
 CASES = {
     2: [("qwen3_vl", False, VIDEO_GROUPS, 1), ("qwen3_vl", True, VIDEO_GROUPS, 32),
-        ("qwen3_5", "reentrant", TWO_VIDEOS, 20)],
+        ("qwen3_5", "reentrant", TWO_VIDEOS, 20), ("qwen3_vl", True, UNEVEN_VIDEOS, 16)],
     4: [("qwen3_vl", True, VIDEO_GROUPS, 1), ("qwen3_5", False, VIDEO_GROUPS, 1)],
 }
 

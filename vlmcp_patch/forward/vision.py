@@ -46,7 +46,7 @@ from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
 from ..layout import BY_ITEMS, EVERY_ITEM, VisionShare, round_up, segments_from_lengths, shard_slice
 from ..stats import STATS
-from ..vision_tiles import encode_in_tiles
+from ..vision_tiles import encode_in_tiles, group_tiles
 from .arguments import call_arguments
 
 # Keyword arguments that precompute per-patch tables for the whole batch: under CP each rank computes those of
@@ -108,21 +108,24 @@ def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionS
                  kwargs: dict) -> tuple[object, torch.Tensor]:
     """(tower output, joined features) of this rank's whole items and temporal groups (module docstring)."""
     placement = _tower_placement(tower)
+    # the tower in tiles (`vision_tiles.py`) on every rank or on none: only the features are kept
+    tiled = _TiledOutput(tower, kwargs) if group_tiles(tower, [share.local_grid(r, "cpu").tolist()
+                                                               for r in range(cp.size)]) else None
     if share.mine(cp.rank):
         local = pixel_share(pixels, share.patch_rows(cp.rank), placement)
         grid = share.local_grid(cp.rank, placement["device"])
-        tiled = _TiledOutput(tower, kwargs)
-        joined = encode_in_tiles(tower, local, grid.tolist(), tiled)
-        if joined is not None:  # the tower in tiles (`vision_tiles.py`): only the features were kept
-            out = tiled.template(joined)
-        else:
-            out = tower(local, grid_thw=grid, **kwargs)
-            joined = _joined_features(out)
     else:
         # The placeholder's rows are dropped; the empty selection keeps its backward (and the exchange) running on
         # this rank, with a zero gradient.
-        out = tower(*placeholder_vision_inputs(tower.config, **placement), **kwargs)
-        joined = _joined_features(out)[:0]
+        local, grid = placeholder_vision_inputs(tower.config, **placement)
+    if tiled is not None:
+        joined = encode_in_tiles(tower, local, grid.tolist(), tiled)
+        out = tiled.template(joined)
+    else:
+        out = tower(local, grid_thw=grid, **kwargs)
+        joined = _joined_features(out)
+    if not share.mine(cp.rank):
+        joined = joined[:0]
     STATS.record_vision(share.patches_per_rank(), cp.rank)
     return out, joined
 
