@@ -13,7 +13,8 @@ ids and embeddings the backbone was given (`slicing.cut_to_slice`). Three steps:
      of an item larger than one rank's fair share (the tower attends within each group, so they encode
      independently), in contiguous runs — rank 0 the first units, rank 1 the next, ... — as evenly as contiguous
      runs allow (`layout.contiguous_ranks`); each rank runs the stock tower on its units (patch embedding, blocks,
-     merger, deepstack mergers);
+     merger, deepstack mergers), over tiles of whole temporal groups recomputed in backward when the shares are
+     large (`vision_tiles.py`: only the features kept between forward and backward);
    * **by patches** (`encode_patch_slices`), when items cannot balance (fewer images than ranks, one image
      larger than a rank's share): the patches of all items are cut into P equal contiguous slices (whole merged
      tokens each) and every vision attention exchanges sequence for heads (the Ulysses exchange of the decoder,
