@@ -49,7 +49,7 @@ import torch
 
 from .patching import cp_size
 from .settings import AUTO, SETTINGS
-from .tiles import TileCounts, _autocast_of
+from .stats import TileCounts
 
 MIN_TILE = 4096  # patches (1,024 merged tokens at merge 2): a tile's matmuls stay large
 
@@ -117,6 +117,13 @@ def plan_tiles(units: Sequence[tuple[int, int, int]], budget: int, merge_unit: i
 VISION_TILES = TileCounts(facts_key="cp_vision_tiles_per_call")
 
 
+def autocast_of(device: torch.device) -> dict:
+    """The autocast state of `device`'s type now, to run a tile's recomputation in backward as its forward ran (the
+    tower's tiles here, the MLPs' in `tiles.py`)."""
+    kind = device.type
+    return {"device_type": kind, "enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind)}
+
+
 def _rng_state(device: torch.device) -> tuple:
     return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
@@ -157,7 +164,7 @@ class VisionTiles(torch.autograd.Function):
     @staticmethod
     def forward(ctx, encode: Callable, tower, tiles: Sequence[Tile], pixels: torch.Tensor, *params):
         ctx.encode, ctx.tower, ctx.tiles, ctx.params = encode, tower, tiles, params
-        ctx.autocast = _autocast_of(pixels.device)
+        ctx.autocast = autocast_of(pixels.device)
         ctx.save_for_backward(pixels)
         ctx.rng = []
         out = None
