@@ -86,3 +86,37 @@ def test_tile_size(patches, configured, expected):
     # token of 4 patches
     work, kept = 27 * (13 * 1152 + 2 * 4304), 4096 * 4 / 4
     assert tile_patches(patches, work, kept, configured) == expected
+
+
+def test_tiles_equal_the_whole_tower_with_pixel_gradients():
+    """The function alone on a real tower (tiny Qwen3-VL, a video of eight temporal groups, tiles of three groups and
+    less): the features, the pixels' gradient and every weight's gradient equal the whole tower's, each weight's
+    gradient accumulated once."""
+    from tests.helpers.vision_tile_cases import VIDEO_GROUPS, _model_and_batch
+    from vlmcp_patch.forward.vision import _joined_features, _TiledOutput
+    from vlmcp_patch.vision_tiles import VISION_TILES, VisionTiles
+
+    model, batch = _model_and_batch("qwen3_vl", False, VIDEO_GROUPS)
+    tower = model.model.visual
+    pixels = batch["pixel_values_videos"].clone().requires_grad_(True)
+    grid = batch["video_grid_thw"]
+    whole = _joined_features(tower(pixels, grid_thw=grid))
+    weights = torch.randn(whole.shape, generator=torch.Generator().manual_seed(0))
+    (whole * weights).sum().backward()
+    expected = [p.grad.clone() for p in tower.parameters()] + [pixels.grad.clone()]
+    tower.zero_grad(set_to_none=True)
+    pixels.grad = None
+    fired = []
+    for p in tower.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    tiles = plan_tiles(grid.tolist(), budget=3 * 16, merge_unit=4)
+    encode = _TiledOutput(tower, {})
+    VISION_TILES.drain()
+    tiled = VisionTiles.apply(lambda tile, rows: encode(rows, torch.tensor(tile.grid)), tower, tiles, pixels,
+                              *tower.parameters())
+    (tiled * weights).sum().backward()
+    assert len(tiles) == 3 and VISION_TILES.drain() == {"calls": 1, "forward_tiles": 3, "backward_tiles": 3}
+    torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-6)
+    assert len(fired) == len(list(tower.parameters()))  # once each
+    for got, want in zip([p.grad for p in tower.parameters()] + [pixels.grad], expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
