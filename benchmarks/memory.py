@@ -4,7 +4,7 @@ proportions, on a packed row of a given length: the step's peak and the longest 
     python -m benchmarks.memory [--model qwen3-vl|qwen3.5] [--sample text-heavy|image-heavy|video]
         [--tokens 8192] [--layers 12] [--scale 16] [--gradient-checkpointing] [--sizes 1 2 4 8] [--step sft|grpo]
         [--stock] [--heads 4] [--loops host device] [--mlp-tile-tokens auto|0|N]
-        [--offload-checkpoints]
+        [--vision-tile-patches auto|0|N] [--offload-checkpoints] [--vision-tiles-compare]
     python -m benchmarks.memory --longest 400 [--sample ...] [--gradient-checkpointing]   # MiB per rank
 
 The model has the released model's vocabulary, heads and widths divided by `--scale` (1: the released widths;
@@ -42,6 +42,9 @@ stock transformers on the same row beside P=1 (its sdpa builds an S x S mask for
 `--longest MIB` grows the row at each P until the busiest rank's peak crosses MIB (doubling, then bisecting to
 within 2%; every probe a real step, the first of `--loops`) and prints the longest row that fits and its ratio to
 P=1's.
+`--vision-tiles-compare` runs each P twice, the vision tower untiled (`--vision-tile-patches 0`) and in tiles
+(`--vision-tile-patches`, auto by default), and prints the busiest rank's device peak and host pool of each and
+their ratio.
 `--dry-run`: the tiny test models on short rows (seconds).
 """
 
@@ -152,7 +155,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, s
     if stock:
         vlmcp_patch.revert()
     vlmcp_patch.enable(cp_size=world_size, mlp_tile_tokens=args.mlp_tile_tokens,
-                       offload_checkpoints=args.offload_checkpoints)
+                       vision_tile_patches=args.vision_tile_patches, offload_checkpoints=args.offload_checkpoints)
     results = {}
     for loop in args.loops:
         model.zero_grad(set_to_none=True)  # each loop's step allocates its gradients anew
@@ -164,8 +167,10 @@ def _one_step(model, reference, batch: dict, args, loop: str, world_size: int, s
     """One counted step of `measure` for `loop` (module docstring)."""
     from vlmcp_patch.offload import HOST_CHECKPOINTS
     from vlmcp_patch.stats import STATS
+    from vlmcp_patch.vision_tiles import VISION_TILES
 
     STATS.drain()
+    VISION_TILES.drain()
     inputs = [v for v in batch.values() if torch.is_tensor(v)]
     modules = ModuleStack(model)
     saved = SavedTensors(model, modules, inputs)
@@ -180,6 +185,7 @@ def _one_step(model, reference, batch: dict, args, loop: str, world_size: int, s
         return loss
 
     _, seconds = timed(step)
+    tiles = VISION_TILES.drain()
     facts = STATS.drain()  # per vision pass (a GRPO step encodes the pictures twice: reference and policy)
     grads = live.ids_of(p.grad for p in model.parameters())
     host_pool = live.ids_of(HOST_CHECKPOINTS.pool.free)  # on the host, not the device (all free again after backward)
@@ -194,6 +200,7 @@ def _one_step(model, reference, batch: dict, args, loop: str, world_size: int, s
         "tokens_per_rank": facts.get("cp_tokens_per_rank", batch["input_ids"].shape[1]),
         "tokens": batch["input_ids"].shape[1],
         "seconds": seconds,
+        "vision_tiles_per_call": tiles["forward_tiles"] / tiles["calls"] if tiles["calls"] else 1.0,
     }
 
 
@@ -308,6 +315,27 @@ def peak_table(args) -> None:
             print(f"  {kind:60s} P=1 {base_mib:8.2f} MiB  rank {mine:8.2f} MiB  ratio {ratio:5.2f}")
 
 
+def vision_tiles_table(args) -> None:
+    """At each P: the busiest rank's device peak and host pool with the vision tower untiled and in tiles."""
+    first = args.loops[0]
+    print(f"{args.model} ({args.layers} layers, widths / {args.scale}), {args.sample}, "
+          f"{'gradient checkpointing' if args.gradient_checkpointing else 'no checkpointing'}"
+          f"{', checkpoints offloaded' if args.offload_checkpoints else ''}, loop {first}: {args.tokens} tokens; "
+          f"the vision tower untiled and in tiles ({args.vision_tile_patches} patches per tile)")
+    print(f"{'P':>3} {'untiled MiB':>12} {'tiled MiB':>10} {'ratio':>6} {'host untiled':>13} {'host tiled':>11} "
+          f"{'patches/rank':>12} {'tiles/call':>10}")
+    for size in args.sizes:
+        peaks = {}
+        for tiles in (0, args.vision_tile_patches):
+            run_args = argparse.Namespace(**{**vars(args), "vision_tile_patches": tiles})
+            peaks[tiles] = _of(_run(run_args, size, args.tokens), first)
+        untiled, tiled = peaks[0], peaks[args.vision_tile_patches]
+        a, b = _busiest(untiled, "peak"), _busiest(tiled, "peak")
+        print(f"{size:>3} {a / MIB:>12.1f} {b / MIB:>10.1f} {b / a:>6.3f} {_busiest(untiled, 'host') / MIB:>13.1f} "
+              f"{_busiest(tiled, 'host') / MIB:>11.1f} {_busiest(tiled, 'vision_patches'):>12.0f} "
+              f"{_busiest(tiled, 'vision_tiles_per_call'):>10.1f}", flush=True)
+
+
 def longest_row(args, size: int, budget: int) -> tuple[int, float]:
     """(longest row whose busiest-rank peak stays within `budget` bytes, its peak): doubling, then bisecting."""
     def fits(tokens):
@@ -365,6 +393,11 @@ def parser() -> argparse.ArgumentParser:
                         "batch moved to the device by the caller (module docstring)")
     parser.add_argument("--mlp-tile-tokens", default="auto", type=lambda v: v if v == "auto" else int(v),
                         help="tokens per tile of the MLPs under CP (auto, or 0: untiled; VLMCP_MLP_TILE_TOKENS)")
+    parser.add_argument("--vision-tile-patches", default="auto", type=lambda v: v if v == "auto" else int(v),
+                        help="patches per tile of the vision tower under CP (auto, or 0: untiled; "
+                        "VLMCP_VISION_TILE_PATCHES)")
+    parser.add_argument("--vision-tiles-compare", action="store_true",
+                        help="each P with the vision tower untiled and in tiles: peaks and their ratio")
     parser.add_argument("--offload-checkpoints", action="store_true",
                         help="the checkpoints in host memory (VLMCP_OFFLOAD_CHECKPOINTS; with --gradient-checkpointing)")
     parser.add_argument("--dry-run", action="store_true", help="the tiny test models on short rows")
@@ -375,7 +408,9 @@ def main() -> None:
     args = parser().parse_args()
     if args.dry_run:
         args.tokens, args.layers, args.start = min(args.tokens, 150), 2, 64
-    if args.longest:
+    if args.vision_tiles_compare:
+        vision_tiles_table(args)
+    elif args.longest:
         longest_table(args)
     else:
         peak_table(args)

@@ -60,7 +60,7 @@ def benchmark_row(sample: str, tokens: int, patch: int) -> tuple[Row, int]:
     """The memory benchmark's row as the cost model sees it, and the bytes of its pixel values (on the device at
     P = 1 only: under CP the integrations leave them on the host)."""
     from benchmarks.memory import row_of
-    from vlmcp_patch.fixtures.data import IMAGE_TOKEN_ID
+    from vlmcp_patch.fixtures.data import IMAGE_TOKEN_ID, VIDEO_TOKEN_ID
 
     batch = row_of(sample, tokens, patch)
     ids, positions = batch["input_ids"][0], batch["position_ids"][0]
@@ -68,8 +68,11 @@ def benchmark_row(sample: str, tokens: int, patch: int) -> tuple[Row, int]:
     longest = max(b - a for a, b in zip(starts[:-1], starts[1:]))
     grids = batch.get("image_grid_thw")
     per_item = int(grids.prod(-1).max()) if grids is not None else 0
-    vision = int((ids == IMAGE_TOKEN_ID).sum())
-    pixels = batch["pixel_values"].numel() * batch["pixel_values"].element_size() if "pixel_values" in batch else 0
+    videos = batch.get("video_grid_thw")  # a video's attention runs within each temporal patch group
+    per_item = max(per_item, int(videos[:, 1:].prod(-1).max()) if videos is not None else 0)
+    vision = int(((ids == IMAGE_TOKEN_ID) | (ids == VIDEO_TOKEN_ID)).sum())
+    pixels = sum(batch[k].numel() * batch[k].element_size() for k in ("pixel_values", "pixel_values_videos")
+                 if k in batch)
     row = Row(tokens=len(ids), vision_tokens=vision, sample_tokens=longest, patches_per_item=per_item,
               samples=len(starts) - 1)
     return row, pixels

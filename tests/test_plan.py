@@ -69,7 +69,9 @@ def measured_12_layer_row(setup: str) -> list[tuple[int, dict, planning.Memory]]
     dims = benchmark_dims(m["model"], m["layers"])
     row, pixels = benchmark_row(m["sample"], m["tokens"], dims.patch)
     on = setup == "offload+tiles"
-    training = Training(sharding="none", bytes_per_value=4, attention="sdpa", tiled_mlp=on, offload_checkpoints=on)
+    # measured before the vision tower ran in tiles: priced untiled
+    training = Training(sharding="none", bytes_per_value=4, attention="sdpa", tiled_mlp=on, offload_checkpoints=on,
+                        tiled_vision=False)
     out = []
     for point in (p for p in m["points"] if p["setup"] == setup):
         size = point["P"]
@@ -265,3 +267,53 @@ def test_the_rings_hidden_share_is_the_measured_one():
     assert len(hidden) == 6
     for gpu in planning.GPUS.values():
         assert gpu.ring_hidden == pytest.approx(statistics.median(hidden), abs=0.01)  # 0.44 for 44.5 %
+
+
+VISION_TILES_MEASURED = json.loads((ROOT / "benchmarks" / "data" / "plan_vision_tiles.json").read_text())
+
+
+def measured_video_row() -> list[tuple[dict, planning.Memory]]:
+    """(the measured point, the predicted memory) for benchmarks.memory's 4-layer video row (16,384 tokens, 18 videos
+    of 16 temporal groups, widths / 16, fp32) at P=2, the vision tower untiled and in tiles (automatic: 6 tiles of a
+    rank's 27,648 patches)."""
+    from benchmarks.plan_check import benchmark_dims, benchmark_row
+
+    m = VISION_TILES_MEASURED
+    dims = benchmark_dims(m["model"], m["layers"])
+    row, _ = benchmark_row(m["sample"], m["tokens"], dims.patch)
+    out = []
+    for point in m["points"]:
+        training = Training(sharding="none", bytes_per_value=4, attention="sdpa", offload_checkpoints=point["offload"],
+                            tiled_vision=point["vision_tiles"])
+        memory = planning.activation_memory(dims, row, training, planning.CALIBRATED, point["P"],
+                                            planning.package_ulysses(dims, point["P"]))
+        memory.head_weight = 0.0  # the benchmark leaves parameter gradients out (the head's is one)
+        out.append((point, memory))
+    return out
+
+
+def test_the_host_pool_with_and_without_vision_tiles_is_predicted_within_10_percent():
+    """With the tower in tiles its blocks keep no checkpoints: the pool shrinks from 33.0 to 12.0 MiB (measured), the
+    decoder layers' inputs only."""
+    for point, memory in measured_video_row():
+        if point["offload"]:
+            assert memory.host / 2**20 == pytest.approx(point["host"], rel=0.10), point
+
+
+def test_the_device_peak_with_vision_tiles_is_predicted_within_15_percent():
+    """Measured 210.5 MiB (198.5 with offload) against 321.0 (302.2) untiled; predicted lower by 13 % and 12 %, and
+    lower than the prediction untiled."""
+    predicted = {(p["offload"], p["vision_tiles"]): (p, m) for p, m in measured_video_row()}
+    for offload in (False, True):
+        point, memory = predicted[offload, True]
+        assert memory.total / 2**20 == pytest.approx(point["device"], rel=0.15), point
+        assert memory.total < predicted[offload, False][1].total
+
+
+@pytest.mark.xfail(strict=True, reason="predicted 237 / 208 MiB against 321.0 / 302.2 measured: on this video row "
+                   "(16 temporal groups of 192 patches per item) the untiled tower's recomputed block takes more than "
+                   "the constants fitted on image rows price; not explained yet")
+def test_the_device_peak_of_the_video_row_untiled():
+    for point, memory in measured_video_row():
+        if not point["vision_tiles"]:
+            assert memory.total / 2**20 == pytest.approx(point["device"], rel=0.15), point

@@ -360,8 +360,10 @@ def test_callback_rejects_bad_setups_before_training():
 
 
 # --------------------------------------------------------------------------------------------------------
-# The MLPs in tiles (vlmcp_patch/tiles.py) under each wrapper's gradient hooks: each parameter's gradient is summed
-# over the tiles and accumulated once, so DDP's buckets, ZeRO's reduce-scatters and FSDP2's reduce see one gradient.
+# The MLPs in tiles (vlmcp_patch/tiles.py) and the vision tower in tiles of items (vlmcp_patch/vision_tiles.py)
+# under each wrapper's gradient hooks: each parameter's gradient is summed over the tiles and accumulated once, so
+# DDP's buckets, ZeRO's reduce-scatters and FSDP2's reduce see one gradient. A tower ZeRO-3 or FSDP2 gathers block by
+# block runs untiled (its gathers would follow each rank's number of tiles).
 
 
 @INTEGRATION
@@ -370,9 +372,15 @@ def test_tiled_mlps_train_like_p1_under_each_wrapper(wrapper, once):
     if wrapper.startswith("zero"):
         pytest.importorskip("deepspeed")
     extra, wrapped_by = WRAPPERS[wrapper]
-    run = _launch(f"tiles-{wrapper}", 2, 2, VL, extra, env={"VLMCP_MLP_TILE_TOKENS": "3"})
+    run = _launch(f"tiles-{wrapper}", 2, 2, VL, extra,
+                  env={"VLMCP_MLP_TILE_TOKENS": "3", "VLMCP_VISION_TILE_PATCHES": "1"})
     assert run.wrapper == wrapped_by
     assert all(e["cp_mlp_tiles_per_call"] >= 3 for e in run.train), [e.get("cp_mlp_tiles_per_call") for e in run.train]
+    vision_tiles = [e.get("cp_vision_tiles_per_call") for e in run.train]
+    if wrapper in ("ddp", "zero2"):  # a step whose items are one per rank runs the stock tower
+        assert any(t is not None and t >= 2 for t in vision_tiles), vision_tiles
+    else:
+        assert vision_tiles == [None] * len(run.train)
     assert_trains_like(run, once(p1, VL))
 
 

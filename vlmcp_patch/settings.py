@@ -11,6 +11,7 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_MATCH_VISION_PASSES` | `match_vision_passes` | CP only | placeholder vision passes, replicas without images |
 | `VLMCP_LOSS_CHUNK` | `loss_chunk_tokens` | auto | tokens per chunk of the chunked LM head + loss under CP |
 | `VLMCP_MLP_TILE_TOKENS` | `mlp_tile_tokens` | auto | tokens per tile of the MLPs under CP (`tiles.py`; 0: off) |
+| `VLMCP_VISION_TILE_PATCHES` | `vision_tile_patches` | auto | patches per tile of the vision tower under CP (`vision_tiles.py`; 0: off) |
 | `VLMCP_OFFLOAD_CHECKPOINTS` | `offload_checkpoints` | off | the layers' checkpoints kept on the host (`offload.py`) |
 | `VLMCP_SPLIT_ROLLOUTS` | `split_rollouts` | off | TRL's RL rollouts: each rank of a CP group generates its share |
 | `VLMCP_ULYSSES_SIZE` | `ulysses_size` | auto | U of P = U x R: ranks per all-to-all subgroup, in a node |
@@ -93,6 +94,11 @@ class Settings:
     # Tokens per tile of the decoder and vision MLPs under CP (`tiles.py`): AUTO sizes them from the slice and the
     # MLP's widths (`tiles.tile_tokens`); 0 runs them untiled. Exact either way; CP off never tiles.
     mlp_tile_tokens: int | str = AUTO
+    # Patches per tile of the vision tower under CP, by items (`vision_tiles.py`): the rank's images and temporal
+    # patch groups run through the whole tower in tiles of whole groups, only the merged and deepstack features kept,
+    # each tile recomputed in backward. AUTO sizes them from the rank's patches and the tower's widths
+    # (`vision_tiles.tile_patches`); 0 runs the tower untiled. Exact either way; CP off never tiles.
+    vision_tile_patches: int | str = AUTO
     # Under CP and P=1 alike: the inputs gradient checkpointing saves for each decoder layer and vision block wait in
     # host memory between forward and backward (`offload.py`). Exact: the same values come back.
     offload_checkpoints: bool = False
@@ -107,10 +113,11 @@ class Settings:
         if not isinstance(self.ulysses_size, int) or isinstance(self.ulysses_size, bool) or self.ulysses_size < 0:
             raise UnsupportedSetupError(
                 f"ulysses_size must be a positive integer (0: automatic), got {self.ulysses_size!r}")
-        tile = self.mlp_tile_tokens
-        if tile != AUTO and (not isinstance(tile, int) or isinstance(tile, bool) or tile < 0):
-            raise UnsupportedSetupError(
-                f"mlp_tile_tokens must be a non-negative integer (0: untiled) or {AUTO!r}, got {tile!r}")
+        for name in ("mlp_tile_tokens", "vision_tile_patches"):
+            tile = getattr(self, name)
+            if tile != AUTO and (not isinstance(tile, int) or isinstance(tile, bool) or tile < 0):
+                raise UnsupportedSetupError(
+                    f"{name} must be a non-negative integer (0: untiled) or {AUTO!r}, got {tile!r}")
         if not isinstance(self.offload_checkpoints, bool):
             raise UnsupportedSetupError(f"offload_checkpoints must be True or False, got {self.offload_checkpoints!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout < 0:
@@ -130,6 +137,7 @@ def _from_environment() -> Settings:
         debug_collectives=env_flag("VLMCP_DEBUG_COLLECTIVES"),
         ring_overlap=env_flag("VLMCP_RING_OVERLAP", True),
         mlp_tile_tokens=env_tokens("VLMCP_MLP_TILE_TOKENS"),
+        vision_tile_patches=env_tokens("VLMCP_VISION_TILE_PATCHES"),
         offload_checkpoints=env_flag("VLMCP_OFFLOAD_CHECKPOINTS"),
     )
     settings.validate()
@@ -152,6 +160,7 @@ def enable(
     debug_collectives: bool | None = None,
     ring_overlap: bool | None = None,
     mlp_tile_tokens: int | str | None = None,
+    vision_tile_patches: int | str | None = None,
     offload_checkpoints: bool | None = None,
 ) -> Settings:
     """Change the settings for every following forward; arguments left out keep their value.
@@ -170,6 +179,7 @@ def enable(
         "debug_collectives": debug_collectives,
         "ring_overlap": ring_overlap,
         "mlp_tile_tokens": mlp_tile_tokens,
+        "vision_tile_patches": vision_tile_patches,
         "offload_checkpoints": offload_checkpoints,
     }
     new = dataclasses.replace(SETTINGS, **{k: v for k, v in given.items() if v is not None})

@@ -1,4 +1,5 @@
-"""Token and vision-patch counts of the CP forwards, for `VLMCPCallback`'s logs (telemetry: no forward reads it)."""
+"""Token and vision-patch counts of the CP forwards and the tiles run (`tiles.py`, `vision_tiles.py`), for
+`VLMCPCallback`'s logs (telemetry: no forward reads it)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,25 @@ class LayoutStats:
 
 
 STATS = LayoutStats()
+
+
+@dataclass
+class TileCounts:
+    """Tiled calls (of the MLPs; of the vision tower: `vision_tiles.py`) and their tiles since the last `drain`
+    (telemetry; no forward reads it). `facts_key`: the name of the tiles per call in the training logs."""
+
+    calls: int = 0
+    forward_tiles: int = 0
+    backward_tiles: int = 0
+    facts_key: str = "cp_mlp_tiles_per_call"
+
+    def drain(self) -> dict:
+        out = {"calls": self.calls, "forward_tiles": self.forward_tiles, "backward_tiles": self.backward_tiles}
+        self.calls = self.forward_tiles = self.backward_tiles = 0
+        return out
+
+    def facts(self) -> dict:
+        """`VLMCPCallback`'s log entry (the tiles per tiled call since the last log; none when nothing was tiled),
+        and a fresh count."""
+        counts = self.drain()
+        return {self.facts_key: counts["forward_tiles"] / counts["calls"]} if counts["calls"] else {}

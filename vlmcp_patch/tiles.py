@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from .forward.arguments import call_arguments
 from .patching import cp_size
 from .settings import AUTO, SETTINGS
+from .stats import TileCounts
+from .vision_tiles import autocast_of
 
 MIN_TILE = 1024  # tokens: the matmuls of a tile stay large enough to run at full speed
 INTERMEDIATE_PER_HIDDEN = 1  # a tile's intermediates take at most this many times the slice's hidden states
@@ -48,33 +49,7 @@ def tile_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, num_tokens)) for a in range(0, num_tokens, size)]
 
 
-@dataclass
-class TileCounts:
-    """Tiled MLP calls and their tiles since the last `drain` (telemetry; no forward reads it)."""
-
-    calls: int = 0
-    forward_tiles: int = 0
-    backward_tiles: int = 0
-
-    def drain(self) -> dict:
-        out = dict(vars(self))
-        self.calls = self.forward_tiles = self.backward_tiles = 0
-        return out
-
-    def facts(self) -> dict:
-        """`VLMCPCallback`'s log entry (the tiles per tiled MLP call since the last log; none when nothing was tiled),
-        and a fresh count."""
-        counts = self.drain()
-        return {"cp_mlp_tiles_per_call": counts["forward_tiles"] / counts["calls"]} if counts["calls"] else {}
-
-
 TILES = TileCounts()
-
-
-def _autocast_of(device: torch.device) -> dict:
-    """The autocast state of `device`'s type now, to run a tile's recomputation in backward as its forward ran."""
-    kind = device.type
-    return {"device_type": kind, "enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind)}
 
 
 class TokenwiseTiles(torch.autograd.Function):
@@ -89,7 +64,7 @@ class TokenwiseTiles(torch.autograd.Function):
     def forward(ctx, fn: Callable, bounds: Sequence[tuple[int, int]], num_tiled: int, *inputs):
         tiled = inputs[:num_tiled]
         ctx.fn, ctx.bounds, ctx.params = fn, bounds, inputs[num_tiled:]
-        ctx.autocast = _autocast_of(tiled[0].device)
+        ctx.autocast = autocast_of(tiled[0].device)
         ctx.save_for_backward(*tiled)
         out = None
         for a, b in bounds:

@@ -13,7 +13,8 @@ ids and embeddings the backbone was given (`slicing.cut_to_slice`). Three steps:
      of an item larger than one rank's fair share (the tower attends within each group, so they encode
      independently), in contiguous runs — rank 0 the first units, rank 1 the next, ... — as evenly as contiguous
      runs allow (`layout.contiguous_ranks`); each rank runs the stock tower on its units (patch embedding, blocks,
-     merger, deepstack mergers);
+     merger, deepstack mergers), over tiles of whole temporal groups recomputed in backward when the shares are
+     large (`vision_tiles.py`: only the features kept between forward and backward);
    * **by patches** (`encode_patch_slices`), when items cannot balance (fewer images than ranks, one image
      larger than a rank's share): the patches of all items are cut into P equal contiguous slices (whole merged
      tokens each) and every vision attention exchanges sequence for heads (the Ulysses exchange of the decoder,
@@ -46,6 +47,7 @@ from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
 from ..layout import BY_ITEMS, EVERY_ITEM, VisionShare, round_up, segments_from_lengths, shard_slice
 from ..stats import STATS
+from ..vision_tiles import encode_in_tiles, group_tiles
 from .arguments import call_arguments
 
 # Keyword arguments that precompute per-patch tables for the whole batch: under CP each rank computes those of
@@ -70,6 +72,25 @@ def _joined_features(out) -> torch.Tensor:
     return torch.cat(_features(out), dim=-1)
 
 
+class _TiledOutput:
+    """Runs the stock tower on one tile, returning its joined features, and remembers what `_split_joined` reads of an
+    output (its class, the merged and deepstack widths) to make, after the tiles, an output of empty fields (no view
+    of a tile's tensors: nothing of them kept alive)."""
+
+    def __init__(self, tower, kwargs: dict):
+        self.tower, self.kwargs, self.cls, self.widths, self.deepstack = tower, kwargs, None, [], False
+
+    def __call__(self, rows: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        out = self.tower(rows, grid_thw=grid_thw, **self.kwargs)
+        self.cls, self.widths = type(out), [f.shape[-1] for f in _features(out)]
+        self.deepstack = getattr(out, "deepstack_features", None) is not None
+        return _joined_features(out)
+
+    def template(self, like: torch.Tensor):
+        merged, *levels = [like.new_empty((0, w)) for w in self.widths]
+        return self.cls(pooler_output=merged, **({"deepstack_features": levels} if self.deepstack else {}))
+
+
 def _tower_placement(tower) -> dict:
     """Where and in which dtype the tower computes: its share of pixel rows is copied there once."""
     return {"device": next(tower.parameters()).device, "dtype": tower.dtype}
@@ -88,15 +109,24 @@ def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionS
                  kwargs: dict) -> tuple[object, torch.Tensor]:
     """(tower output, joined features) of this rank's whole items and temporal groups (module docstring)."""
     placement = _tower_placement(tower)
+    # the tower in tiles (`vision_tiles.py`) on every rank or on none: only the features are kept
+    tiled = _TiledOutput(tower, kwargs) if group_tiles(tower, [share.local_grid(r, "cpu").tolist()
+                                                               for r in range(cp.size)]) else None
     if share.mine(cp.rank):
         local = pixel_share(pixels, share.patch_rows(cp.rank), placement)
-        out = tower(local, grid_thw=share.local_grid(cp.rank, placement["device"]), **kwargs)
-        joined = _joined_features(out)
+        grid = share.local_grid(cp.rank, placement["device"])
     else:
         # The placeholder's rows are dropped; the empty selection keeps its backward (and the exchange) running on
         # this rank, with a zero gradient.
-        out = tower(*placeholder_vision_inputs(tower.config, **placement), **kwargs)
-        joined = _joined_features(out)[:0]
+        local, grid = placeholder_vision_inputs(tower.config, **placement)
+    if tiled is not None:
+        joined = encode_in_tiles(tower, local, grid.tolist(), tiled)
+        out = tiled.template(joined)
+    else:
+        out = tower(local, grid_thw=grid, **kwargs)
+        joined = _joined_features(out)
+    if not share.mine(cp.rank):
+        joined = joined[:0]
     STATS.record_vision(share.patches_per_rank(), cp.rank)
     return out, joined
 

@@ -59,6 +59,9 @@ def main(argv=None) -> int:
                     help="price VLMCP_OFFLOAD_CHECKPOINTS=1: the checkpointed inputs in host memory")
     tr.add_argument("--no-mlp-tiles", dest="tiled_mlp", action="store_false",
                     help="price VLMCP_MLP_TILE_TOKENS=0 (the MLPs whole; by default they run in tiles under CP)")
+    tr.add_argument("--no-vision-tiles", dest="tiled_vision", action="store_false",
+                    help="price VLMCP_VISION_TILE_PATCHES=0 (the vision tower over the rank's whole share; by "
+                    "default it runs over tiles of items under CP, except under ZeRO-3 / FSDP)")
     hw.add_argument("--host-link-gbs", type=float,
                     help=f"host link per GPU and direction, GB/s (default {GPUS['h100'].host_gbs:g}: PCIe Gen5 x16, "
                     "effective)")
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
     training = Training(sharding=a.sharding, gradient_checkpointing=not a.no_gradient_checkpointing, dp=a.dp,
                         offload_optimizer=a.offload_optimizer, freeze_vision=a.freeze_vision,
                         ring_overlap=a.ring_overlap, offload_checkpoints=a.offload_checkpoints,
-                        tiled_mlp=a.tiled_mlp)
+                        tiled_mlp=a.tiled_mlp, tiled_vision=a.tiled_vision)
     rates = {k: getattr(a, k) for k in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs",
                                          "ib_gbs", "ring_hidden")}
     rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None

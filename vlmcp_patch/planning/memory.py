@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from ..tiles import tile_tokens
+from ..vision_tiles import tile_patches
 from .dims import ModelDims
 from .layouts import replicated
 from .rows import Row
@@ -68,6 +69,18 @@ def vision_elements(d: ModelDims) -> float:
     token and counted with the deepstack features."""
     w = d.vision_width
     return 13 * w + 2 * d.vision_intermediate
+
+
+def vision_tile(d: ModelDims, t: Training, patches: int, size: int) -> int:
+    """Patches of one tile of the vision tower over a rank's `patches` (the package's automatic rule,
+    `vision_tiles.tile_patches`); 0 when the tower runs untiled: tiling off, CP off, ZeRO-3 / FSDP (which gather the
+    tower block by block: the package runs it whole), or one tile."""
+    if not (t.tiled_vision and size > 1 and d.vision_depth and patches) or t.sharding in ("zero3", "fsdp"):
+        return 0
+    work = d.vision_depth * (13 * d.vision_width + 2 * d.vision_intermediate)
+    kept = d.hidden * (1 + d.deepstack) / d.merge**2
+    tile = tile_patches(patches, work, kept)
+    return tile if tile < patches else 0
 
 
 @dataclass
@@ -154,6 +167,12 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
                       if t.gradient_checkpointing else 0.0)
             vis -= (1 - keep_v) * 2 * d.vision_intermediate
     features = vision_local * d.hidden * (1 + d.deepstack)  # merged + deepstack features routed to this rank
+    # the tower over tiles of items (`vision_tiles.py`): nothing of it kept between forward and backward but the
+    # features; in backward one tile is recomputed at a time, every block's activations alive (its blocks' own
+    # checkpointing is off inside a tile), its MLPs in their own tiles keeping no intermediates
+    tile = vision_tile(d, t, patches, size)
+    vis_tile = (vision_elements(d) - (2 * d.vision_intermediate if tiled else 0)) if tile else 0.0
+    tile_work = tile * (d.vision_depth * c.vision * vis_tile + 2 * d.vision_width)
     # DeltaNet across a ring (models/deltanet_ring.py): a chunk continuing a sample runs the delta rule twice more
     # for its transfer (B from a zero state, M from the identity), and autograd keeps both runs' intermediates
     ring_rule = 2 * deltanet_rule_elements(d, ulysses) if (ring > 1 and d.linear_layers) else 0.0
@@ -162,10 +181,12 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     m = Memory()
     if not t.gradient_checkpointing:
         m.activations = b * local * (d.full_layers * c.attention * att + d.linear_layers * c.deltanet * dn)
-        m.activations += b * (patches * d.vision_depth * c.vision * vis + features)
+        m.activations += b * ((0 if tile else patches * d.vision_depth * c.vision * vis) + features)
         m.exchange = b * max(attention_x, deltanet_x)  # transient, one layer's at a time
+        m.working = b * tile_work  # a vision tile recomputed in backward (the exchanges are not running then)
     else:
-        decoder, vision = b * local * d.hidden * d.layers, b * patches * d.vision_width * d.vision_depth
+        decoder = b * local * d.hidden * d.layers
+        vision = 0.0 if tile else b * patches * d.vision_width * d.vision_depth  # tiled: no block checkpoints
         if t.offload_checkpoints:  # all but the last layer's input go to the host; one more in flight / prefetched
             stay = b * local * d.hidden * min(2, d.layers)
             m.host = decoder - b * local * d.hidden + vision  # the pool: every input but the last layer's
@@ -178,7 +199,7 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
         if d.linear_layers:
             kinds.append((local * (c.deltanet_work * dn + gradient), deltanet_x))
         if d.vision_depth:
-            kinds.append((patches * (c.vision_work * vis + 2 * d.vision_width), 0.0))
+            kinds.append((tile_work if tile else patches * (c.vision_work * vis + 2 * d.vision_width), 0.0))
         working, exchange = max(kinds, key=sum)
         m.working, m.exchange = b * working, b * exchange
     # the fused head: one chunk of fp32 logits (turned into their gradient in place), its bf16 copy for the

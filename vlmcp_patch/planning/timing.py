@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .dims import ModelDims
 from .hardware import Hardware
 from .layouts import replicated
+from .memory import vision_tile
 from .rows import Row
 from .training import Training
 
@@ -35,11 +36,13 @@ class Time:
 
 
 
-def step_flops(d: ModelDims, row: Row, t: Training, tiled: bool = False) -> dict[str, float]:
+def step_flops(d: ModelDims, row: Row, t: Training, tiled: bool = False,
+               vision_tiled: bool = False) -> dict[str, float]:
     """FLOPs of one step over the whole row, by kind: matmul (projections, MLPs, head, vision tower), attention
     (causal, within samples; vision within items), deltanet (chunked delta rule). Backward = 2 x forward for
     matmuls, 2.5 x for attention; checkpointing adds one more forward of the decoder and the tower; MLPs in tiles
-    (`tiled`) one more forward of every MLP (each tile recomputed in backward)."""
+    (`tiled`) one more forward of every MLP (each tile recomputed in backward); the tower in tiles (`vision_tiled`)
+    one more forward of the tower without checkpointing (with it the tiles' recompute replaces the blocks')."""
     n, patches = row.tokens, row.patches(d)
     linear = d.full_layers * d.attention_params() + d.linear_layers * d.deltanet_params() + d.layers * d.mlp_params()
     vision_block = 4 * d.vision_width**2 + 2 * d.vision_width * d.vision_intermediate
@@ -55,6 +58,8 @@ def step_flops(d: ModelDims, row: Row, t: Training, tiled: bool = False) -> dict
     deltanet_fwd = d.linear_layers * n * d.linear_v_heads * (
         4 * d.linear_k_dim * d.linear_v_dim + 2 * chunk * (d.linear_k_dim + d.linear_v_dim))
     passes = 4 if t.gradient_checkpointing else 3  # forward, backward (2 x), recompute
+    if vision_tiled and not t.gradient_checkpointing:  # the tower: forward, recompute, backward
+        matmul_fwd += 2 * patches * d.vision_depth * vision_block / passes
     if tiled:
         mlps = 2 * n * d.layers * d.mlp_params() + 2 * patches * d.vision_depth * 2 * d.vision_width * d.vision_intermediate
         matmul_fwd += mlps / passes  # one more forward of the MLPs, not of the rest
@@ -105,7 +110,8 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
     ranks apart: inside a node when P <= node). DeltaNet across a ring: two all-gathers per layer and pass of a
     fixed size. With checkpointing the forward exchanges run twice."""
     b, ring = t.bytes_per_value, size // ulysses
-    flops = step_flops(d, row, t, tiled=t.tiled_mlp and size > 1)
+    patches = math.ceil(row.patches(d) / size)
+    flops = step_flops(d, row, t, tiled=t.tiled_mlp and size > 1, vision_tiled=vision_tile(d, t, patches, size) > 0)
     attention_s = flops["attention"] / hw.attention_tflops / 1e12 / size
     if compute_s is None:
         compute_s = (flops["matmul"] / hw.matmul_tflops + flops["deltanet"] / hw.deltanet_tflops) / 1e12 / size

@@ -15,8 +15,10 @@ class Training:
     package's checkpoint offload (`VLMCP_OFFLOAD_CHECKPOINTS`): each checkpointed decoder layer's and vision block's
     input waits in a host pool between forward and backward, the last layer's input and the one prefetched stay on
     the device; `tiled_mlp`: the MLPs in sequence tiles (`VLMCP_MLP_TILE_TOKENS`, automatic tiles), which the
-    package does under CP only (P > 1) — False prices `VLMCP_MLP_TILE_TOKENS=0`; `stock_head`: full-vocabulary
-    fp32 logits (a head without chunking)."""
+    package does under CP only (P > 1) — False prices `VLMCP_MLP_TILE_TOKENS=0`; `tiled_vision`: the vision tower
+    over tiles of items (`VLMCP_VISION_TILE_PATCHES`, automatic tiles), under CP only and not under ZeRO-3 / FSDP
+    (which gather the tower block by block: the package runs it whole) — False prices `VLMCP_VISION_TILE_PATCHES=0`;
+    `stock_head`: full-vocabulary fp32 logits (a head without chunking)."""
 
     sharding: str = "zero3"
     gradient_checkpointing: bool = True
@@ -25,6 +27,7 @@ class Training:
     offload_optimizer: bool = False
     offload_checkpoints: bool = False
     tiled_mlp: bool = True
+    tiled_vision: bool = True
     stock_head: bool = False
     freeze_vision: bool = False
     attention: str = "flash_attention_2"  # or "sdpa": the ring's blocks then run tiled fp32 torch math

@@ -1,0 +1,122 @@
+"""The vision tower over tiles of items under CP (`vlmcp_patch/vision_tiles.py`): exact against stock at P=1 with
+several tiles really run, each vision parameter's gradient accumulated once per tower call, nothing changed with CP
+off; the tiles of a share and their automatic size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.harness import run_distributed
+from tests.helpers.parity import TOL
+from tests.helpers.vision_tile_cases import CASES, run_vision_tile_cases
+from vlmcp_patch.vision_tiles import Tile, plan_tiles, tile_patches
+
+
+def vision_tiles_run(cp_size: int):
+    return run_distributed(run_vision_tile_cases, cp_size, timeout=600)
+
+
+@pytest.mark.parametrize("cp_size", sorted(CASES))
+def test_tiled_vision_tower_equals_stock(cp_size, once):
+    ran, results = 0, once(vision_tiles_run, cp_size)
+    for case in results[0]:  # the group takes one path: every rank tiles the same tower calls (ZeRO-2 needs it)
+        assert len({per_case[case]["tiles"]["calls"] for per_case in results}) == 1, case
+    for rank, per_case in enumerate(results):
+        for case, m in per_case.items():
+            where = f"{case}, P={cp_size}, rank {rank}"
+            assert m["loss_err"] <= TOL and m["logits_err"] <= TOL, where
+            assert m["grad_err"] <= TOL, f"{where}: {m['worst_grad']}"
+            assert m["missing_grads"] == [], where
+            tiles = m["tiles"]
+            # the training step and the logits' forward: each tiled tower call ran every tile forward, the step's
+            # once more in backward
+            assert tiles["forward_tiles"] >= tiles["calls"] > 0, (where, tiles)
+            assert tiles["backward_tiles"] * 2 <= tiles["forward_tiles"], (where, tiles)
+            ran += tiles["backward_tiles"]
+            # one accumulation per vision parameter per tower call: stock's (images, videos), then CP's
+            assert len(m["accumulations"]) == 1, (where, m["accumulations"])
+        assert per_case[next(iter(per_case))]["tiles"]["backward_tiles"] >= 2, (rank, per_case)
+    assert ran > 0
+
+
+def test_cp_off_never_tiles(reapply):
+    """With CP off (P=1) a one-patch tile changes nothing: no tile runs, the loss and every gradient equal stock's bit
+    for bit."""
+    import vlmcp_patch
+    from tests.helpers.tile_cases import stock_step
+    from tests.helpers.vision_tile_cases import VIDEO_GROUPS, _model_and_batch
+    from vlmcp_patch.vision_tiles import VISION_TILES
+
+    model, batch = _model_and_batch("qwen3_vl", False, VIDEO_GROUPS)
+    vlmcp_patch.revert()
+    ref_loss, ref_grads = stock_step(model, batch)
+    vlmcp_patch.apply()
+    vlmcp_patch.enable(cp_size=1, vision_tile_patches=1)
+    VISION_TILES.drain()
+    try:
+        loss, grads = stock_step(model, batch)
+    finally:
+        vlmcp_patch.enable(vision_tile_patches="auto")
+    assert VISION_TILES.drain()["calls"] == 0
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+
+
+def test_tiles_are_whole_temporal_groups_in_order():
+    """Units (frames, height, width) split into their temporal groups, packed in pixel-row order up to the budget, a
+    larger group alone; consecutive groups of one unit one grid row."""
+    tiles = plan_tiles([(3, 4, 4), (1, 2, 4), (2, 4, 6)], budget=40, merge_unit=4)
+    assert tiles == [Tile((0, 32), ((2, 4, 4),), (0, 8)), Tile((32, 56), ((1, 4, 4), (1, 2, 4)), (8, 14)),
+                     Tile((56, 80), ((1, 4, 6),), (14, 20)), Tile((80, 104), ((1, 4, 6),), (20, 26))]
+    assert [t.grid for t in plan_tiles([(3, 4, 4)], budget=1, merge_unit=4)] == [((1, 4, 4),)] * 3
+    assert plan_tiles([(3, 4, 4), (1, 2, 4)], budget=10**6, merge_unit=4) == [
+        Tile((0, 56), ((3, 4, 4), (1, 2, 4)), (0, 14))]
+
+
+@pytest.mark.parametrize("patches, configured, expected", [
+    (1_000_000, "auto", 6_411),  # 156 tiles: a tile's activations within the share's kept features
+    (20_000, "auto", 5_000),  # the tile's floor, MIN_TILE, in equal tiles
+    (3_000, "auto", 3_000),  # shorter than a tile: one tile, the stock tower
+    (100, 7, 7),
+    (100, 0, 100),  # 0: untiled
+])
+def test_tile_size(patches, configured, expected):
+    # Qwen3-VL-8B's tower: 27 blocks of width 1152 and MLP 4304, features 4096 x (1 + 3 deepstack levels) per merged
+    # token of 4 patches
+    work, kept = 27 * (13 * 1152 + 2 * 4304), 4096 * 4 / 4
+    assert tile_patches(patches, work, kept, configured) == expected
+
+
+def test_tiles_equal_the_whole_tower_with_pixel_gradients():
+    """The function alone on a real tower (tiny Qwen3-VL, a video of eight temporal groups, tiles of three groups and
+    less): the features, the pixels' gradient and every weight's gradient equal the whole tower's, each weight's
+    gradient accumulated once."""
+    from tests.helpers.vision_tile_cases import VIDEO_GROUPS, _model_and_batch
+    from vlmcp_patch.forward.vision import _joined_features, _TiledOutput
+    from vlmcp_patch.vision_tiles import VISION_TILES, VisionTiles
+
+    model, batch = _model_and_batch("qwen3_vl", False, VIDEO_GROUPS)
+    tower = model.model.visual
+    pixels = batch["pixel_values_videos"].clone().requires_grad_(True)
+    grid = batch["video_grid_thw"]
+    whole = _joined_features(tower(pixels, grid_thw=grid))
+    weights = torch.randn(whole.shape, generator=torch.Generator().manual_seed(0))
+    (whole * weights).sum().backward()
+    expected = [p.grad.clone() for p in tower.parameters()] + [pixels.grad.clone()]
+    tower.zero_grad(set_to_none=True)
+    pixels.grad = None
+    fired = []
+    for p in tower.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    tiles = plan_tiles(grid.tolist(), budget=3 * 16, merge_unit=4)
+    encode = _TiledOutput(tower, {})
+    VISION_TILES.drain()
+    tiled = VisionTiles.apply(lambda tile, rows: encode(rows, torch.tensor(tile.grid)), tower, tiles, pixels,
+                              *tower.parameters())
+    (tiled * weights).sum().backward()
+    assert len(tiles) == 3 and VISION_TILES.drain() == {"calls": 1, "forward_tiles": 3, "backward_tiles": 3}
+    torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-6)
+    assert len(fired) == len(list(tower.parameters()))  # once each
+    for got, want in zip([p.grad for p in tower.parameters()] + [pixels.grad], expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,253 @@
+"""The vision tower over tiles of items under CP: never the whole share's tower activations at once.
+
+The tower's blocks never mix items: attention runs within one image or one temporal patch group (`cu_seqlens`), and
+everything else is per patch or per merged token. So a rank's share by items (`forward/vision.encode_items`) can run
+through the whole tower — patch embedding, blocks, merger, deepstack mergers — one tile of whole temporal patch
+groups after the other, and produce exactly the features the whole share would. `VisionTiles` does that in forward
+without keeping anything of a tile but its joined features (merged and deepstack, side by side: `out_hidden x (1 +
+levels)` per merged token; Qwen3-VL-8B: 4,096 numbers per patch, against 31,104 for its 27 blocks' checkpoints), and in
+backward recomputes each tile with gradients and back-propagates its rows of the features' gradient before the next
+one. A tile is the recomputation unit: the blocks' own gradient checkpointing (and its host offload) is off inside
+a tile's forward and recompute, so each block is computed twice, as with checkpointing, and one tile's activations
+are alive at a time.
+
+Each parameter's gradient is summed over the tiles inside the function and returned once, as the gradient of that
+input: autograd accumulates it into `.grad` once per backward (per tower call), as the untiled tower does, so the
+hooks of DDP and ZeRO-2 see one gradient. A tower whose parameters ZeRO-3 partitions or FSDP2 shards per module runs
+untiled: its gathers would follow each rank's own number of tiles (different collectives on different ranks).
+
+The ranks of a CP group take one path (`group_tiles`): when any rank's share makes several tiles, every rank runs its
+share through the function, in one tile if that is all it makes (a rank with nothing to encode: its placeholder as
+one tile). The vision parameters' gradients then arrive in the same order on every rank — ZeRO-2 packs gradients into
+its buckets in the order they arrive and reduces the buckets' flat buffers across ranks, so a tiled rank beside an
+untiled one (all weights' gradients at once against block by block) would sum different parameters' gradients.
+
+Tiles (`plan_tiles`): a rank's units split into their temporal patch groups (a video unit of t groups is t
+independent groups to the tower), packed in order into tiles of at most `tile_patches` patches (a group larger than
+that is a tile of its own); each tile is one contiguous range of the rank's pixel rows with its own `grid_thw` rows
+(consecutive groups of one item joined into one row) and one contiguous range of merged tokens.
+
+Tile size (`tile_patches`): `vision_tile_patches` when set; else equal tiles whose activations (every block's, as
+a tile's recompute keeps them) take at most the memory of the share's kept features, and hold at least `MIN_TILE`
+patches. When no rank's share makes two tiles, every rank runs the stock tower, untouched.
+
+RNG: each tile's recompute replays the random state its forward started from (as torch's checkpoint does), so a
+tower with dropout recomputes the same masks; the masks themselves are drawn per tile, so differ from an untiled
+tower's draw (the released towers have no dropout).
+
+Only under CP (`cp_size() > 1`), not while torch.compile traces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .patching import cp_size
+from .settings import AUTO, SETTINGS
+from .stats import TileCounts
+
+MIN_TILE = 4096  # patches (1,024 merged tokens at merge 2): a tile's matmuls stay large
+
+
+def vision_work_per_patch(vision_config) -> int:
+    """Elements one patch keeps in a tile's recompute: every block's saved activations (norms, qkv, attention, the
+    projection's input, the MLP's input, hidden and activation: 13 w + 2 I_v, as `planning.memory.vision_elements`)."""
+    w = vision_config.hidden_size
+    return vision_config.depth * (13 * w + 2 * vision_config.intermediate_size)
+
+
+def kept_per_patch(vision_config) -> float:
+    """Elements one patch keeps between forward and backward when tiled: its share of its merged token's features."""
+    levels = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+    return vision_config.out_hidden_size * (1 + levels) / vision_config.spatial_merge_size**2
+
+
+def tile_patches(patches: int, work_per_patch: float, kept: float, configured: int | str = AUTO) -> int:
+    """Patches per tile of a share of `patches` patches (module docstring); `work_per_patch`, `kept`: elements per
+    patch of a tile's recompute and of the kept features; `configured`: `SETTINGS.vision_tile_patches` (0: one tile
+    of everything)."""
+    if configured != AUTO:
+        return configured or patches
+    count = max(1, min(math.ceil(work_per_patch / kept), patches // MIN_TILE))
+    return math.ceil(patches / count)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One tile of a rank's share: its pixel rows (relative to the share), its `grid_thw` rows, its merged tokens."""
+
+    rows: tuple[int, int]
+    grid: tuple[tuple[int, int, int], ...]
+    merged: tuple[int, int]
+
+
+def plan_tiles(units: Sequence[tuple[int, int, int]], budget: int, merge_unit: int) -> list[Tile]:
+    """Tiles of a share whose units are `units` [(frames, height, width)] in pixel-row order: its temporal groups
+    packed in order into tiles of at most `budget` patches (a larger group alone)."""
+    groups = [(unit, h * w) for unit, (t, h, w) in enumerate(units) for _ in range(t)]
+    tiles, start, members = [], 0, []
+
+    def close():
+        nonlocal start, members
+        patches = sum(p for _, p in members)
+        grid = []
+        for unit, _ in members:  # consecutive groups of one unit: one grid row of that many frames
+            if grid and grid[-1][0] == unit:
+                grid[-1][1] += 1
+            else:
+                grid.append([unit, 1])
+        rows = tuple((n, *units[u][1:]) for u, n in grid)
+        tiles.append(Tile((start, start + patches), rows, (start // merge_unit, (start + patches) // merge_unit)))
+        start, members = start + patches, []
+
+    for group in groups:
+        if members and sum(p for _, p in members) + group[1] > budget:
+            close()
+        members.append(group)
+    if members:
+        close()
+    return tiles
+
+
+VISION_TILES = TileCounts(facts_key="cp_vision_tiles_per_call")
+
+
+def autocast_of(device: torch.device) -> dict:
+    """The autocast state of `device`'s type now, to run a tile's recomputation in backward as its forward ran (the
+    tower's tiles here, the MLPs' in `tiles.py`)."""
+    kind = device.type
+    return {"device_type": kind, "enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind)}
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def _replayed_rng(state: tuple, device: torch.device):
+    """The random state `state` while the block runs; the caller's state untouched after it."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+@contextlib.contextmanager
+def without_checkpointing(tower: torch.nn.Module):
+    """The tower's modules with their gradient checkpointing off while the block runs: a tile is the recomputation
+    unit (module docstring); restored after."""
+    switched = [m for m in tower.modules() if getattr(m, "gradient_checkpointing", False)]
+    for m in switched:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.gradient_checkpointing = True
+
+
+class VisionTiles(torch.autograd.Function):
+    """`encode(tile, pixels[tile.rows])` for each tile, its rows of the output at `tile.merged`.
+
+    Inputs: `encode` (the tower on one tile: (patches, width) -> joined features (merged tokens, features); reads
+    `params`), `tower` (its checkpointing switched off meanwhile), `tiles` (`plan_tiles`), `pixels` (the share's
+    rows), then the `params`. Output: (the share's merged tokens, features). Saves `pixels` only; backward recomputes
+    tile by tile and returns each parameter's gradient summed over the tiles (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, encode: Callable, tower, tiles: Sequence[Tile], pixels: torch.Tensor, *params):
+        ctx.encode, ctx.tower, ctx.tiles, ctx.params = encode, tower, tiles, params
+        ctx.autocast = autocast_of(pixels.device)
+        ctx.save_for_backward(pixels)
+        ctx.rng = []
+        out = None
+        with without_checkpointing(tower):
+            for tile in tiles:
+                ctx.rng.append(_rng_state(pixels.device))
+                piece = encode(tile, pixels[slice(*tile.rows)])
+                if out is None:
+                    out = piece.new_empty((tiles[-1].merged[1], *piece.shape[1:]))
+                out[slice(*tile.merged)] = piece
+                del piece  # the tile's activations go before the next tile runs
+                VISION_TILES.forward_tiles += 1
+        VISION_TILES.calls += 1
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (pixels,), params = ctx.saved_tensors, ctx.params
+        want_pixels, wants = ctx.needs_input_grad[3], ctx.needs_input_grad[4:]
+        pixel_grad = torch.zeros_like(pixels) if want_pixels else None
+        param_grads: list[torch.Tensor | None] = [None] * len(params)
+        sources = [p for p, want in zip(params, wants) if want]
+        for tile, rng in zip(ctx.tiles, ctx.rng):
+            piece = pixels[slice(*tile.rows)].detach().requires_grad_(want_pixels)
+            with torch.enable_grad(), torch.autocast(**ctx.autocast), without_checkpointing(ctx.tower), \
+                    _replayed_rng(rng, pixels.device):
+                out = ctx.encode(tile, piece)
+            inputs = [piece] if want_pixels else []
+            grads = torch.autograd.grad(out, inputs + sources, grad_out[slice(*tile.merged)], allow_unused=True)
+            del out
+            if want_pixels:
+                pixel_grad[slice(*tile.rows)] = grads[0]
+                grads = grads[1:]
+            for i, grad in zip([i for i, want in enumerate(wants) if want], grads):
+                if grad is None:
+                    continue
+                param_grads[i] = grad if param_grads[i] is None else param_grads[i].add_(grad)
+            VISION_TILES.backward_tiles += 1
+        return None, None, None, pixel_grad, *param_grads
+
+
+def _sharded_per_module(tower: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 partitions the tower's parameters or FSDP2 shards its modules: their gathers follow the
+    module calls, and ranks with different numbers of tiles would issue different collectives."""
+    if any(hasattr(p, "ds_id") for p in tower.parameters()):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in tower.modules())
+
+
+def tiling_applies(tower: torch.nn.Module) -> bool:
+    """Whether the tower runs in tiles now: under CP, tiling not turned off, not while torch.compile traces, its
+    parameters not gathered per module (module docstring)."""
+    return (cp_size() > 1 and SETTINGS.vision_tile_patches != 0 and not torch.compiler.is_compiling()
+            and not _sharded_per_module(tower))
+
+
+def _tiles_of(config, units: Sequence[tuple[int, int, int]]) -> list[Tile]:
+    """The tiles of a share whose units are `units` [(frames, height, width)], by the automatic or configured size."""
+    patches = sum(t * h * w for t, h, w in units)
+    budget = tile_patches(patches, vision_work_per_patch(config), kept_per_patch(config), SETTINGS.vision_tile_patches)
+    return plan_tiles(units, budget, config.spatial_merge_size**2)
+
+
+def group_tiles(tower, shares: Sequence[Sequence[tuple[int, int, int]]]) -> bool:
+    """Whether the group runs the tower in tiles: tiling applies and some rank's share (`shares[r]`: rank r's units
+    [(frames, height, width)]) makes two tiles or more. The same on every rank: the shares are the plan's."""
+    return tiling_applies(tower) and any(len(_tiles_of(tower.config, units)) > 1 for units in shares)
+
+
+def encode_in_tiles(tower, pixels: torch.Tensor, units: Sequence[tuple[int, int, int]],
+                    encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The joined features (merged tokens, features) of a share by items — `pixels` (patches, width) its rows,
+    `units` [(frames, height, width)] its grid — computed in tiles (one if that is all it makes: `group_tiles`
+    decides for the group); `encode(pixels, grid_thw)` runs the stock tower and returns the joined features."""
+    tiles = _tiles_of(tower.config, units)
+    device = pixels.device
+
+    def encode_tile(tile: Tile, rows: torch.Tensor) -> torch.Tensor:
+        return encode(rows, torch.tensor(tile.grid, device=device))
+
+    params = [p for p in tower.parameters() if p.requires_grad]
+    return VisionTiles.apply(encode_tile, tower, tiles, pixels, *params)
