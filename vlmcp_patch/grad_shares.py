@@ -60,10 +60,13 @@ def cp_forward_started(model) -> None:
 
 
 def _partitioned(model) -> bool:
-    # ZeRO-3 partitions and FSDP2 DTensors: their wrapper reduce-scatters every gradient in backward
-    from torch.distributed.tensor import DTensor
+    # ZeRO-3 partitions and FSDP2 modules: their wrapper reduce-scatters every gradient in backward. FSDP2 is told by
+    # its modules, not its parameters: while it has a module's weights gathered (in backward, when the shares are
+    # noted) that module's parameters are plain tensors, not DTensors
+    from torch.distributed.fsdp import FSDPModule
 
-    return any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in model.parameters())
+    return any(hasattr(p, "ds_id") for p in model.parameters()) or any(
+        isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _note_shares(model) -> None:
