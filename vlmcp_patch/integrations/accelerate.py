@@ -35,6 +35,16 @@ def cp_prepare_model(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def cp_fsdp2_prepare_model(wrapped, instance, args, kwargs):
+    """Accelerate's FSDP2 path (`Accelerator.prepare` with FSDP2) shards the model here, without `prepare_model`: the
+    same check, and FSDP2 sums its gradients over CP as `prepare_model`'s wrappers do."""
+    if cp_running():
+        model = args[1] if len(args) > 1 else kwargs["model"]
+        check_cp_setup(model)
+        reduced_by_wrapper(model)
+    return wrapped(*args, **kwargs)
+
+
 def cp_prepare_data_loader(wrapped, instance, args, kwargs):
     if cp_running():
         kwargs["num_processes"] = data_parallel_world_size()
@@ -88,6 +98,14 @@ def patches() -> list[Patch]:
             reason="under CP: only a model that runs CP may be prepared (the data sharding and the backward scale "
             "below assume it); check it, its configuration and the launch before the first step",
             expects=("model",),
+            requires="accelerate",
+        ),
+        Patch(
+            target="accelerate.accelerator.fsdp2_prepare_model",
+            wrapper=cp_fsdp2_prepare_model,
+            reason="under CP: Accelerate's FSDP2 path shards the model here, not through prepare_model; the same "
+            "check, and its gradients are summed by FSDP2 (no UnsummedGradientsError)",
+            expects=("accelerator", "model"),
             requires="accelerate",
         ),
         Patch(
