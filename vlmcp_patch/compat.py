@@ -18,7 +18,7 @@ from packaging.version import Version
 
 from .errors import UnsupportedSetupError
 
-OLDEST = Version("5.16.0")  # the oldest release CI runs on
+OLDEST = Version("5.2.0")  # the oldest release CI runs on
 NEWEST = Version("5.25.0")  # the newest release CI runs on
 TESTED = f">={OLDEST.major}.{OLDEST.minor},<{NEWEST.major}.{NEWEST.minor + 1}"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from vlmcp_patch.fixtures.data import IMAGE_TOKEN_ID, Segment, make_batch
@@ -127,16 +129,18 @@ EXCHANGES = {
 VISION_BLOCKS = 2  # the tiny vision towers' depth
 
 
-def vision_exchanges(batch: dict, cp_size: int, checkpointing: bool = False, frozen: bool = False) -> int:
+def vision_exchanges(batch: dict, cp_size: int, checkpointing: bool = False, frozen: bool = False,
+                     patch_slices: bool = True) -> int:
     """All-to-alls of the vision passes: per modality, the one that routes each feature to the rank holding its
     token (and its reverse in backward, unless the tower is frozen); for the modalities that encode patch slices
-    (items that do not balance over the ranks), also q, k, v and the output of every vision block, forward
-    (replayed by gradient checkpointing) and backward (none for a frozen tower)."""
+    (items that do not balance over the ranks, where the tower takes the per-patch tables: `patch_slices`), also
+    q, k, v and the output of every vision block, forward (replayed by gradient checkpointing) and backward (none for
+    a frozen tower)."""
     from vlmcp_patch.layout import VisionShare
 
     grids = [batch[key].tolist() for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None]
     per_block = 4 * (1 + (not frozen) + (checkpointing and not frozen))
-    unbalanced = [grid for grid in grids if not VisionShare.of(grid, 2, cp_size).balanced()]
+    unbalanced = [grid for grid in grids if patch_slices and not VisionShare.of(grid, 2, cp_size).balanced()]
     return len(grids) * (1 + (not frozen)) + len(unbalanced) * VISION_BLOCKS * per_block
 
 
@@ -210,6 +214,10 @@ def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list
         metrics["linear_key_heads"] = getattr(config.get_text_config(), "linear_num_key_heads", None)
         grids = [batch.get(k) for k in ("image_grid_thw", "video_grid_thw") if batch.get(k) is not None]
         metrics["vision_patches"] = int(sum(int(g.prod(-1).sum()) for g in grids))
-        metrics["vision_exchanges"] = vision_exchanges(batch, cp_size, checkpointing, lora) if vision_dp else 0
+        # transformers' towers take the per-patch tables (and so encode slices of patches) from 5.15
+        patch_slices = hasattr(sys.modules[type(model.get_base_model() if lora else model).__module__],
+                               "get_vision_interpolation_indices_and_weights")
+        metrics["vision_exchanges"] = vision_exchanges(batch, cp_size, checkpointing, lora, patch_slices) \
+            if vision_dp else 0
         results[name] = metrics
     return results
