@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import transformers
 
 from tests.helpers.cases import EXCHANGES, FAMILIES, QWEN3_5_CASES, QWEN3_VL_CASES, run_cases
+from tests.helpers.flash_standin import stock_flash_attention_works
 from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL
 
@@ -77,13 +77,8 @@ def test_vision_data_parallelism_splits_the_work(family, cp_size, once):
         assert all(res["vision_replicated"]["vision_patches_per_rank"] is None for res in per_rank)
 
 
-# transformers 5.6.0's flash_attention_forward calls `s_aux.to(...)` with no attention sink (None) for every model,
-# stock included (fixed in 5.6.1): there is no flash_attention_2 path to compare with.
-STOCK_FLASH_ATTENTION_BROKEN = transformers.__version__ == "5.6.0"
-
-
 @pytest.mark.parametrize("case", FLASH_CASES)
-@pytest.mark.skipif(STOCK_FLASH_ATTENTION_BROKEN, reason="stock flash_attention_2 fails in transformers 5.6.0")
+@pytest.mark.skipif(not stock_flash_attention_works(), reason="stock flash_attention_2 fails in transformers 5.6.0")
 def test_flash_attention_2_plumbing(case, once):
     """The real flash_attention_2 path of transformers, with a CPU stand-in kernel in place of flash-attn."""
     per_rank = once(parity_run, "qwen3_vl", 2, "flash_attention_2")

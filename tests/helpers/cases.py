@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from vlmcp_patch.fixtures.data import IMAGE_TOKEN_ID, Segment, make_batch
@@ -129,8 +127,17 @@ EXCHANGES = {
 VISION_BLOCKS = 2  # the tiny vision towers' depth
 
 
+def towers_take_patch_tables() -> bool:
+    """Whether the installed transformers' vision towers take the per-patch tables (5.15 on), and so encode slices
+    of all items' patches under CP (`forward/vision.py`)."""
+    import importlib
+
+    module = importlib.import_module("transformers.models.qwen3_vl.modeling_qwen3_vl")
+    return hasattr(module, "get_vision_interpolation_indices_and_weights")
+
+
 def vision_exchanges(batch: dict, cp_size: int, checkpointing: bool = False, frozen: bool = False,
-                     patch_slices: bool = True) -> int:
+                     patch_slices: bool | None = None) -> int:
     """All-to-alls of the vision passes: per modality, the one that routes each feature to the rank holding its
     token (and its reverse in backward, unless the tower is frozen); for the modalities that encode patch slices
     (items that do not balance over the ranks, where the tower takes the per-patch tables: `patch_slices`), also
@@ -138,6 +145,7 @@ def vision_exchanges(batch: dict, cp_size: int, checkpointing: bool = False, fro
     a frozen tower)."""
     from vlmcp_patch.layout import VisionShare
 
+    patch_slices = towers_take_patch_tables() if patch_slices is None else patch_slices
     grids = [batch[key].tolist() for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None]
     per_block = 4 * (1 + (not frozen) + (checkpointing and not frozen))
     unbalanced = [grid for grid in grids if patch_slices and not VisionShare.of(grid, 2, cp_size).balanced()]
@@ -214,10 +222,6 @@ def run_cases(rank: int, world_size: int, cp_size: int, family: str, names: list
         metrics["linear_key_heads"] = getattr(config.get_text_config(), "linear_num_key_heads", None)
         grids = [batch.get(k) for k in ("image_grid_thw", "video_grid_thw") if batch.get(k) is not None]
         metrics["vision_patches"] = int(sum(int(g.prod(-1).sum()) for g in grids))
-        # transformers' towers take the per-patch tables (and so encode slices of patches) from 5.15
-        patch_slices = hasattr(sys.modules[type(model.get_base_model() if lora else model).__module__],
-                               "get_vision_interpolation_indices_and_weights")
-        metrics["vision_exchanges"] = vision_exchanges(batch, cp_size, checkpointing, lora, patch_slices) \
-            if vision_dp else 0
+        metrics["vision_exchanges"] = vision_exchanges(batch, cp_size, checkpointing, lora) if vision_dp else 0
         results[name] = metrics
     return results
