@@ -33,7 +33,12 @@ def _alone_reference(model, alone: list[dict]):
         model.zero_grad(set_to_none=True)
         logits, sums, count = [], [], 0
         for batch in alone:
-            out = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False)
+            # An explicit mask of ones (the sample has no padding): without a mask and a cache, transformers 5.2 reads
+            # the position ids as packed-sequence boundaries and takes the mRoPE temporal row for them, which cuts a
+            # sample at each image; with the mask every release attends over the whole sample.
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            inputs.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
+            out = model(**inputs, use_cache=False)
             targets = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
             sums.append(F.cross_entropy(out.logits.float()[0], targets[0], ignore_index=-100, reduction="sum"))
             count += int((targets != -100).sum())
