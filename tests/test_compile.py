@@ -69,19 +69,26 @@ def test_with_cp_off_the_patched_forward_traces_like_stock_in_one_graph(name, re
             logits = [compiled(input_ids=x, use_cache=False).logits for x in ids]
         return logits, torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
 
-    ours = traced()
+    ours = _outcome(traced)
     vlmcp_patch.revert()
-    stock = traced()
+    stock = _outcome(traced)
+    # transformers 5.2's Qwen3.5 branches on a tensor in its own forward: stock does not trace in one graph there, and
+    # the patched forward must fail as stock does
+    assert ours[1] == stock[1]
+    if stock[1] is not None:
+        return
+    ours, stock = ours[0], stock[0]
     assert all(torch.equal(a, b) for a, b in zip(ours[0], stock[0]))
     assert ours[1] == stock[1]
 
 
 def _outcome(run) -> tuple:
-    """(what `run()` returned, None) or (None, (its exception's type, message))."""
+    """(what `run()` returned, None) or (None, (its exception's type, the first line of its message: the frames a
+    tracer's message goes on to list include the package's own))."""
     try:
         return run(), None
     except Exception as exc:  # noqa: BLE001 - compared with stock's, whatever it is
-        return None, (type(exc), str(exc))
+        return None, (type(exc), str(exc).splitlines()[0] if str(exc) else "")
 
 
 @pytest.mark.parametrize("name", ["Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"])

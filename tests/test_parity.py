@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import transformers
-from packaging.version import Version
 
-from tests.helpers.cases import EXCHANGES, FAMILIES, QWEN3_5_CASES, QWEN3_VL_CASES, run_cases
+from tests.helpers.cases import EXCHANGES, FAMILIES, QWEN3_5_CASES, QWEN3_VL_CASES, run_cases, stock_cuts_the_row
 from tests.helpers.flash_standin import stock_flash_attention_works
 from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL
@@ -36,19 +34,8 @@ def assert_parity(per_rank: list[dict], family: str, case: str, cp_size: int) ->
     assert len({res[case]["loss"] for res in per_rank}) == 1, "loss differs between ranks"
 
 
-# transformers 5.2 in training without a cache (gradient checkpointing) reads a row's position ids as packed-sequence
-# boundaries when building the causal mask; for one row of images and text without an attention mask, it takes the
-# mRoPE temporal row for them and cuts the row at every image: stock masks the text after an image off the text
-# before it (measured with the package reverted; with the same model in eval mode stock attends over the whole row,
-# and CP equals that). 5.6 builds the mask from the row; the releases between are not run.
-STOCK_CUTS_ROWS_AT_IMAGES = Version(transformers.__version__) < Version("5.3")
-ONE_ROW_OF_IMAGES_CHECKPOINTED = {("qwen3_vl", "grad_checkpointing"), ("qwen3_vl", "grad_checkpointing_reentrant"),
-                                  ("qwen3_vl", "moe_grad_checkpointing"), ("qwen3_5", "vision_grad_checkpointing"),
-                                  ("qwen3_5", "moe_grad_checkpointing_reentrant")}
-
-
 def skip_where_stock_cuts_the_row(family: str, case: str) -> None:
-    if STOCK_CUTS_ROWS_AT_IMAGES and (family, case) in ONE_ROW_OF_IMAGES_CHECKPOINTED:
+    if stock_cuts_the_row(family, case):
         pytest.skip("transformers 5.2's causal mask in training cuts a row of images at each image (stock's error)")
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import transformers
+from packaging.version import Version
 
 from vlmcp_patch.fixtures.data import IMAGE_TOKEN_ID, Segment, make_batch
 from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
@@ -125,6 +127,24 @@ EXCHANGES = {
                 "moe_grad_checkpointing_reentrant": 48},
 }
 VISION_BLOCKS = 2  # the tiny vision towers' depth
+
+
+# transformers 5.2 in training without a cache (gradient checkpointing) reads a row's position ids as packed-sequence
+# boundaries when building the causal mask; for one row of images and text without an attention mask, it takes the
+# mRoPE temporal row for them and cuts the row at every image: stock masks the text after an image off the text
+# before it (measured with the package reverted; with the same model in eval mode stock attends over the whole row,
+# and CP equals that). 5.6 builds the mask from the row; the releases between are not run.
+STOCK_CUTS_ROWS_AT_IMAGES = Version(transformers.__version__) < Version("5.3")
+ONE_ROW_OF_IMAGES_CHECKPOINTED = {("qwen3_vl", "grad_checkpointing"), ("qwen3_vl", "grad_checkpointing_reentrant"),
+                                  ("qwen3_vl", "moe_grad_checkpointing"), ("qwen3_5", "vision_grad_checkpointing"),
+                                  ("qwen3_5", "moe_grad_checkpointing_reentrant")}
+
+
+
+
+def stock_cuts_the_row(family: str, case: str) -> bool:
+    """Whether stock's reference for `case` of `family` is cut at its images on the installed release (above)."""
+    return STOCK_CUTS_ROWS_AT_IMAGES and (family, case) in ONE_ROW_OF_IMAGES_CHECKPOINTED
 
 
 def towers_take_patch_tables() -> bool:
