@@ -101,7 +101,9 @@ FAMILIES = register(
 TEXT_MODEL_PARAMS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "use_cache")
 # Digests of the upstream Qwen3_5GatedDeltaNet.forward that `gated_deltanet_over_cp` re-implements (the same in
 # the MoE module), with the releases each was checked on. A digest not listed means upstream changed the layer:
-# re-check it. Between them only the cache handling (not used under CP) differs, and where q and k are repeated
+# re-check it. Between them only the cache handling (not used under CP) differs, where the conv and rule functions
+# live (`FORWARD_KEEPS_KERNELS_ON_LAYER`), whether the forward takes keyword arguments (5.9 on; before, the CP
+# context comes through `context_for_linear_attention`), and where q and k are repeated
 # to the value heads: in the layer's forward before the delta rule up to 5.22, inside the rule functions from
 # 5.23 (grouped value attention). 5.25 moved the conv into a module-level `causal_conv1d_forward` (the same conv
 # without a cache) and lets the chunked rule leave `cache.get_recurrent_states_to_keep` trailing tokens to the
