@@ -69,11 +69,26 @@ def test_with_cp_off_the_patched_forward_traces_like_stock_in_one_graph(name, re
             logits = [compiled(input_ids=x, use_cache=False).logits for x in ids]
         return logits, torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
 
-    ours = traced()
+    ours = _outcome(traced)
     vlmcp_patch.revert()
-    stock = traced()
+    stock = _outcome(traced)
+    # transformers 5.2's Qwen3.5 branches on a tensor in its own forward: stock does not trace in one graph there, and
+    # the patched forward must fail as stock does
+    assert ours[1] == stock[1]
+    if stock[1] is not None:
+        return
+    ours, stock = ours[0], stock[0]
     assert all(torch.equal(a, b) for a, b in zip(ours[0], stock[0]))
     assert ours[1] == stock[1]
+
+
+def _outcome(run) -> tuple:
+    """(what `run()` returned, None) or (None, (its exception's type, the first line of its message: the frames a
+    tracer's message goes on to list include the package's own))."""
+    try:
+        return run(), None
+    except Exception as exc:  # noqa: BLE001 - compared with stock's, whatever it is
+        return None, (type(exc), str(exc).splitlines()[0] if str(exc) else "")
 
 
 @pytest.mark.parametrize("name", ["Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"])
@@ -84,10 +99,16 @@ def test_generate_with_a_static_cache_works_as_stock(name, reapply):
 
     import vlmcp_patch
 
-    model = build_model(TINY_CONFIGS[name](), seed=3)
     ids = torch.randint(1, 100, (1, 8), generator=torch.Generator().manual_seed(0))
-    run = lambda: model.generate(input_ids=ids, max_new_tokens=3, do_sample=False,  # noqa: E731
-                                 cache_implementation="static")
-    ours = run()
+
+    def run():  # on a model of its own: a generation that raised may leave state behind
+        model = build_model(TINY_CONFIGS[name](), seed=3)
+        return model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, cache_implementation="static")
+
+    ours = _outcome(run)
     vlmcp_patch.revert()
-    assert torch.equal(ours, run())
+    stock = _outcome(run)
+    # transformers 5.6 cannot build the masks of a static cache for the hybrid models (its generation raises a
+    # KeyError, 'linear_attention'): the package then raises stock's own error, no other
+    assert ours[1] == stock[1]
+    assert stock[1] is not None or torch.equal(ours[0], stock[0])

@@ -12,6 +12,7 @@ from vlmcp_patch.fixtures.compare import rel_err
 from vlmcp_patch.layout import segments_from_lengths
 from vlmcp_patch.models import deltanet_ring
 from vlmcp_patch.models.deltanet_ring import compose, conv_of_chunk, pieces_of, rule_of_chunk, transfer_of_chunk
+from vlmcp_patch.models.qwen3_5 import torch_causal_conv
 
 SAMPLES = [11, 3, 17, 6]  # a sample boundary inside most chunks, a short sample inside one chunk
 HEADS, KEYS, VALUES, KERNEL = 2, 4, 5, 4
@@ -21,6 +22,12 @@ def modeling():
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     return modeling_qwen3_5
+
+
+def causal_conv(x, weight, bias=None, activation=None):
+    """The causal conv the installed release's layer runs without causal-conv1d: the modeling module's (5.15 on),
+    or the layer's nn.Conv1d and SiLU, which `qwen3_5.torch_causal_conv` computes from the weight (up to 5.14)."""
+    return (modeling().causal_conv1d_fn or torch_causal_conv)(x, weight, bias, activation=activation)
 
 
 def rule(q, k, v, g, beta, initial_state):
@@ -60,7 +67,7 @@ def chunked(tensors, count: int, compose_fn=compose):
     q, k, v, gate, beta, x, weight = tensors
     segments = segments_from_lengths(SAMPLES)
     bounds = cuts(count)
-    conv = lambda t, weight: modeling().causal_conv1d_fn(t, weight, None, activation="silu")  # noqa: E731
+    conv = lambda t, weight: causal_conv(t, weight, None, activation="silu")  # noqa: E731
     conv_out, rule_out, transfers = [], [], []
     for first, last in zip(bounds[:-1], bounds[1:]):
         pieces = pieces_of(segments, first, last)
@@ -75,8 +82,7 @@ def chunked(tensors, count: int, compose_fn=compose):
 def reference(tensors):
     q, k, v, gate, beta, x, weight = tensors
     segments = segments_from_lengths(SAMPLES)
-    conv = torch.cat([modeling().causal_conv1d_fn(x[..., a:b], weight, None, activation="silu") for a, b in segments],
-                     dim=2)
+    conv = torch.cat([causal_conv(x[..., a:b], weight, None, activation="silu") for a, b in segments], dim=2)
     return conv, sequential(q, k, v, gate, beta)
 
 

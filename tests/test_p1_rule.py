@@ -4,6 +4,8 @@ at any P for every supported class, padded on either side."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -105,6 +107,8 @@ def generate_cases(rank: int, world_size: int) -> dict:
         prompts = make_batch(PAIR, seed=1, labels=False)
         if not multimodal:
             prompts = _text_only(prompts)
+        if not models_take_token_types():
+            prompts.pop("mm_token_type_ids", None)  # transformers 5.2's generate refuses arguments its models do not take
         for side, batch in (("right", prompts), ("left", _left(prompts))):
             outs = []
             for size in (world_size, 1):
@@ -126,8 +130,17 @@ def test_generate_under_cp_equals_p1(name, side, once):
         assert res[f"{name} {side}"] == (3, True)
 
 
+def models_take_token_types() -> bool:
+    """Whether the installed release's multimodal models take `mm_token_type_ids` (5.3 on)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    return "mm_token_type_ids" in inspect.signature(Qwen3VLModel.forward).parameters
+
+
 def _with_cache(model, spelling: str):
-    """Logits, cache length and warnings of a forward given an (empty) cache under `spelling`."""
+    """Logits, cache length and warnings of a forward given an (empty) cache under `spelling`; or, where the forward
+    raises, the error's type and message in place of the logits (transformers 5.2's Qwen3.5 takes its own cache
+    class only, stock included)."""
     import warnings
 
     from transformers import DynamicCache
@@ -136,8 +149,11 @@ def _with_cache(model, spelling: str):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cache = DynamicCache(config=model.config.get_text_config())
-        out = model(input_ids=ids, use_cache=True, **{spelling: cache})
-    return out.logits.detach(), cache.get_seq_length(), sorted({str(w.message) for w in caught})
+        try:
+            logits = model(input_ids=ids, use_cache=True, **{spelling: cache}).logits.detach()
+        except Exception as exc:  # noqa: BLE001 - compared with stock's, whatever it is
+            logits = (type(exc), str(exc))
+    return logits, cache.get_seq_length(), sorted({str(w.message) for w in caught})
 
 
 @pytest.mark.parametrize("spelling", CACHE_KEYWORDS)
@@ -149,4 +165,8 @@ def test_both_cache_spellings_behave_as_stock(name, spelling, reapply):
     ours = _with_cache(model, spelling)
     vlmcp_patch.revert()
     stock = _with_cache(model, spelling)
-    assert torch.equal(ours[0], stock[0]) and ours[1:] == stock[1:]
+    if isinstance(stock[0], tuple):
+        same_logits = ours[0] == stock[0]
+    else:
+        same_logits = torch.is_tensor(ours[0]) and torch.equal(ours[0], stock[0])
+    assert same_logits and ours[1:] == stock[1:]

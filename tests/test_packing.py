@@ -119,7 +119,7 @@ def test_a_packed_row_stock_gets_wrong_equals_its_samples_at_p1(family, attn, re
     """Pictures with text positions, or DeltaNet layers: stock runs such a row across its samples; the package's P=1
     path equals the samples run one by one — with eager attention too (a block-causal mask)."""
     import vlmcp_patch
-    from tests.helpers.packing_cases import PACKED
+    from tests.helpers.packing_cases import PACKED, sample_alone
     from vlmcp_patch.fixtures.compare import rel_err
     from vlmcp_patch.fixtures.data import make_packed_batch
     from vlmcp_patch.fixtures.models import build_model
@@ -132,7 +132,7 @@ def test_a_packed_row_stock_gets_wrong_equals_its_samples_at_p1(family, attn, re
     with torch.no_grad():
         ours = model(**without_labels(row)).logits
         vlmcp_patch.revert()
-        separate = torch.cat([model(**without_labels(b), use_cache=False).logits for b in alone], dim=1)
+        separate = torch.cat([model(**sample_alone(b), use_cache=False).logits for b in alone], dim=1)
         stock = model(**without_labels(row)).logits
     assert rel_err(ours, separate) <= TOL
     assert rel_err(stock, separate) > 1e-2  # the control: stock itself does not

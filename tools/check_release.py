@@ -1,6 +1,7 @@
 """Check a transformers release against the package's patch records, without installing it.
 
     python tools/check_release.py 5.26.0 [--wheels DIR] [--against 5.25.0]
+    python tools/check_release.py 5.2.0..5.25.0      # every release between, as the registry lists them
 
 Downloads the release's wheel (`pip download --no-deps`, into `--wheels`, default ~/.cache/vlmcp-patch/wheels) and,
 for every patch target in transformers, reads the target's source from the wheel and checks what the import checks
@@ -8,6 +9,10 @@ for every patch target in transformers, reads the target's source from the wheel
 the package re-implements — that its source digest is one of those pinned. For each target that changed it prints
 what changed and a unified diff of its source against the newest release checked (`compat.NEWEST`, or
 `--against`). Exit status: 0 when every target verifies, 1 otherwise.
+
+Given several releases (`A..B`: every release from A to B that `pip index versions transformers` lists, or a list),
+it checks each and prints a table, one row per release: how many targets verify and, for each re-implemented
+source, which pinned digest it has (docs/versions.md keeps that table); then the changes, as above.
 
 Adding a release (docs/versions.md): run this, adapt the family module where a target changed, pin the new digest
 with the release it was checked on, run the tests.
@@ -137,27 +142,81 @@ def diff(target: str, old: Release, new: Release, old_version: str, new_version:
                                         f"{target} ({old_version})", f"{target} ({new_version})"))
 
 
+def releases_between(first: str, last: str) -> list[str]:
+    """Every final transformers release from `first` to `last` (both included) that the registry lists, oldest
+    first (`pip index versions`, the ordinary client)."""
+    from packaging.version import Version
+
+    listed = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "transformers"], check=True,
+                            capture_output=True, text=True).stdout
+    line = next(line for line in listed.splitlines() if line.startswith("Available versions:"))
+    versions = sorted(Version(v.strip()) for v in line.split(":", 1)[1].split(","))
+    return [str(v) for v in versions if Version(first) <= v <= Version(last) and not v.is_prerelease]
+
+
+def expand(specs: list[str]) -> list[str]:
+    """The releases named: `X.Y.Z` each, `A..B` every release between."""
+    return [v for spec in specs for v in (releases_between(*spec.split("..")) if ".." in spec else [spec])]
+
+
+def pinned_sources(records: list) -> dict[str, list]:
+    """The re-implemented sources, one column per pinned set of digests (a family and its MoE twin share one):
+    column name -> its records."""
+    columns: dict[str, list] = {}
+    for patch in records:
+        if patch.mirrors:
+            name = next((n for n, ps in columns.items() if ps[0].mirrors is patch.mirrors), None)
+            columns.setdefault(name or ".".join(patch.target.split(".")[-2:]), []).append(patch)
+    return columns
+
+
+def table_row(version: str, release: Release, records: list, columns: dict[str, list], changed: dict) -> str:
+    """One release's row: targets verifying, then each column's digest(s) (`?` marks one no record pins)."""
+    cells, here = [], {p.target for p in records}
+    for patches in columns.values():
+        sources = [release.definition(p.target)[0] for p in patches if p.target in here]
+        found = dict.fromkeys(digest(source) if source else "missing" for source in sources)
+        cells.append(" / ".join(d if d == "missing" else f"`{d}`" + ("" if any(d in p.mirrors for p in patches)
+                                                                      else " ?") for d in found))
+    return f"| {version} | {len(records) - len(changed)} of {len(records)} | " + " | ".join(cells) + " |"
+
+
+def check_releases(versions: list[str], wheels: Path) -> dict[str, tuple[Release, dict]]:
+    """Each release's wheel and what changed in it (target -> problems), printing one table row per release."""
+    columns = pinned_sources(patch_records(versions[-1]))
+    if len(versions) > 1:
+        print("| release | targets verifying | " + " | ".join(columns) + " |")
+        print("|---" * (len(columns) + 2) + "|")
+    results = {}
+    for version in versions:
+        release, records = Release(wheel(version, wheels)), patch_records(version)
+        changed = {p.target: problems for p in records if (problems := check(p, release))}
+        results[version] = (release, changed)
+        if len(versions) > 1:
+            print(table_row(version, release, records, columns, changed))
+        else:
+            print(f"transformers {version}: {len(records) - len(changed)} of {len(records)} patch targets verify")
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("version")
+    parser.add_argument("versions", nargs="+", metavar="version", help="X.Y.Z, or A..B for every release between")
     parser.add_argument("--against", help="the release to diff against (default: the newest checked)")
     parser.add_argument("--wheels", type=Path, default=Path.home() / ".cache" / "vlmcp-patch" / "wheels")
     args = parser.parse_args(argv)
     args.wheels.mkdir(parents=True, exist_ok=True)
-    new = Release(wheel(args.version, args.wheels))
-    records = patch_records(args.version)
-    args.against = args.against or newest_checked()
-    changed = {p.target: check(p, new) for p in records}
-    changed = {target: problems for target, problems in changed.items() if problems}
-    print(f"transformers {args.version}: {len(records) - len(changed)} of {len(records)} patch targets verify")
-    if not changed:
+    results = check_releases(expand(args.versions), args.wheels)
+    if not any(changed for _, changed in results.values()):
         return 0
+    args.against = args.against or newest_checked()
     old = Release(wheel(args.against, args.wheels))
-    for target, problems in changed.items():
-        print(f"\nCHANGED {target}")
-        for problem in problems:
-            print(f"  {problem}")
-        print(diff(target, old, new, args.against, args.version) or "  (the same source as in the release diffed)")
+    for version, (new, changed) in results.items():
+        for target, problems in changed.items():
+            print(f"\nCHANGED in {version}: {target}")
+            for problem in problems:
+                print(f"  {problem}")
+            print(diff(target, old, new, args.against, version) or "  (the same source as in the release diffed)")
     return 1
 
 

@@ -3,10 +3,15 @@
 There is no blanket version refusal: what decides whether the package can run is whether every patch
 target still verifies (`patching.py`: the parameters each patch relies on, and the pinned source digests
 of the code it re-implements, declared with the versions they were checked on). Below the oldest tested
-release the models lack what the package builds on (`mm_token_type_ids`, the vision tables), so it
-refuses. A newer, untested release never raises at import: it imports with one warning — naming each target
-that did not verify and the newest release checked, when some did not (their families stay stock and refuse
-CP, `forward/unverified.py`), or saying that every target still verifies.
+release, 5.2, it refuses at import: transformers 5.0 and 5.1 ship another Qwen3.5 (26 of the 57 patch targets
+verify there, `tools/check_release.py`). From 5.2 on, what differs between releases is declared where it
+applies (docs/versions.md): 5.2's models take no `mm_token_type_ids` (stock finds the images from the
+placeholder tokens; the package passes the token types only where a function takes them), the vision towers
+take no per-patch tables before 5.15 (their images are shared by items, never cut into patch slices), and the
+gated DeltaNet layer keeps its kernels on itself before 5.15 and its decoder layer does not hand it the CP
+context before 5.9 (`models/qwen3_5.py`). A newer, untested release never raises at import: it imports with
+one warning — naming each target that did not verify and the newest release checked, when some did not (their
+families stay stock and refuse CP, `forward/unverified.py`), or saying that every target still verifies.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from packaging.version import Version
 
 from .errors import UnsupportedSetupError
 
-OLDEST = Version("5.16.0")  # the oldest release CI runs on
+OLDEST = Version("5.2.0")  # the oldest release CI runs on
 NEWEST = Version("5.25.0")  # the newest release CI runs on
 TESTED = f">={OLDEST.major}.{OLDEST.minor},<{NEWEST.major}.{NEWEST.minor + 1}"
 

@@ -268,24 +268,26 @@ class VisionShare:
         return cls(units, contiguous_ranks([u[1] for u in units], size), merge * merge, size)
 
     @classmethod
-    def decide(cls, grid: list[list[int]], merge: int, size: int, heads: int, data_parallel: bool) -> VisionShare:
-        """The share a CP forward uses: by items when they balance, by patches when they do not and the tower's
-        `heads` split over the ranks (every vision attention then exchanges sequence for heads), by items anyway
-        otherwise; every item on every rank without vision data parallelism."""
+    def decide(cls, grid: list[list[int]], merge: int, size: int, heads: int, data_parallel: bool,
+               patch_slices: bool = True) -> VisionShare:
+        """The share a CP forward uses: by items when they balance, by patches when they do not, the tower's
+        `heads` split over the ranks (every vision attention then exchanges sequence for heads) and the tower can
+        encode a slice of patches (`patch_slices`), by items anyway otherwise; every item on every rank without
+        vision data parallelism."""
         share = cls.of(grid, merge, size)
         if not data_parallel:
             return replace(share, method=EVERY_ITEM)
-        if share.balanced() or heads % size:
+        if share.balanced() or heads % size or not patch_slices:
             return share
         return replace(share, method=BY_PATCHES)
 
     @classmethod
-    def decide_each(cls, grids: dict[str, torch.Tensor], vision_config, size: int,
-                    data_parallel: bool) -> dict[str, VisionShare]:
+    def decide_each(cls, grids: dict[str, torch.Tensor], vision_config, size: int, data_parallel: bool,
+                    patch_slices: bool = True) -> dict[str, VisionShare]:
         """`decide` for each modality's grid (items, 3); `vision_config` gives the merge size and the tower's heads
         (unread when there is no grid)."""
         return {kind: cls.decide(grid.tolist(), vision_config.spatial_merge_size, size, vision_config.num_heads,
-                                 data_parallel) for kind, grid in grids.items()}
+                                 data_parallel, patch_slices) for kind, grid in grids.items()}
 
     def mine(self, rank: int) -> list[int]:
         return [i for i, r in enumerate(self.ranks) if r == rank]

@@ -109,7 +109,7 @@ class Patch:
     expects: tuple[Expected, ...] = ()
     mirrors: Mapping[str, str] | None = None
     requires: str | None = None
-    since: str | None = None  # e.g. "transformers>=5.20": a target the older supported releases do not have
+    since: str | None = None  # the releases it is for: "transformers>=5.20" (older ones lack the target), "<5.9"
     family: str | None = None  # the model family this patch serves (None: shared by every family)
     guard: Callable | None = None  # installed instead (unchecked) when this patch's family did not verify
 
@@ -261,8 +261,8 @@ def _package(patch) -> str | None:
 
 
 def applies_here(patch, version: str | None = None) -> bool:
-    """False for a patch declared `since` a release newer than the installed one, or than `version` of the package
-    it names when given (`tools/check_release.py`): its target does not exist yet."""
+    """False for a patch declared (`since`) for releases other than the installed one, or than `version` of the
+    package it names when given (`tools/check_release.py`): its target does not exist yet, or it is not needed."""
     since = getattr(patch, "since", None)
     if since is None:
         return True

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import transformers
+from packaging.version import Version
 
 from vlmcp_patch.fixtures.data import IMAGE_TOKEN_ID, Segment, make_batch
 from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
@@ -127,16 +129,46 @@ EXCHANGES = {
 VISION_BLOCKS = 2  # the tiny vision towers' depth
 
 
-def vision_exchanges(batch: dict, cp_size: int, checkpointing: bool = False, frozen: bool = False) -> int:
+# transformers 5.2 in training without a cache (gradient checkpointing) reads a row's position ids as packed-sequence
+# boundaries when building the causal mask; for one row of images and text without an attention mask, it takes the
+# mRoPE temporal row for them and cuts the row at every image: stock masks the text after an image off the text
+# before it (measured with the package reverted; with the same model in eval mode stock attends over the whole row,
+# and CP equals that). 5.6 builds the mask from the row; the releases between are not run.
+STOCK_CUTS_ROWS_AT_IMAGES = Version(transformers.__version__) < Version("5.3")
+ONE_ROW_OF_IMAGES_CHECKPOINTED = {("qwen3_vl", "grad_checkpointing"), ("qwen3_vl", "grad_checkpointing_reentrant"),
+                                  ("qwen3_vl", "moe_grad_checkpointing"), ("qwen3_5", "vision_grad_checkpointing"),
+                                  ("qwen3_5", "moe_grad_checkpointing_reentrant")}
+
+
+
+
+def stock_cuts_the_row(family: str, case: str) -> bool:
+    """Whether stock's reference for `case` of `family` is cut at its images on the installed release (above)."""
+    return STOCK_CUTS_ROWS_AT_IMAGES and (family, case) in ONE_ROW_OF_IMAGES_CHECKPOINTED
+
+
+def towers_take_patch_tables() -> bool:
+    """Whether the installed transformers' vision towers take the per-patch tables (5.15 on), and so encode slices
+    of all items' patches under CP (`forward/vision.py`)."""
+    import importlib
+
+    module = importlib.import_module("transformers.models.qwen3_vl.modeling_qwen3_vl")
+    return hasattr(module, "get_vision_interpolation_indices_and_weights")
+
+
+def vision_exchanges(batch: dict, cp_size: int, checkpointing: bool = False, frozen: bool = False,
+                     patch_slices: bool | None = None) -> int:
     """All-to-alls of the vision passes: per modality, the one that routes each feature to the rank holding its
     token (and its reverse in backward, unless the tower is frozen); for the modalities that encode patch slices
-    (items that do not balance over the ranks), also q, k, v and the output of every vision block, forward
-    (replayed by gradient checkpointing) and backward (none for a frozen tower)."""
+    (items that do not balance over the ranks, where the tower takes the per-patch tables: `patch_slices`), also
+    q, k, v and the output of every vision block, forward (replayed by gradient checkpointing) and backward (none for
+    a frozen tower)."""
     from vlmcp_patch.layout import VisionShare
 
+    patch_slices = towers_take_patch_tables() if patch_slices is None else patch_slices
     grids = [batch[key].tolist() for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None]
     per_block = 4 * (1 + (not frozen) + (checkpointing and not frozen))
-    unbalanced = [grid for grid in grids if not VisionShare.of(grid, 2, cp_size).balanced()]
+    unbalanced = [grid for grid in grids if patch_slices and not VisionShare.of(grid, 2, cp_size).balanced()]
     return len(grids) * (1 + (not frozen)) + len(unbalanced) * VISION_BLOCKS * per_block
 
 

@@ -131,3 +131,11 @@ def use_flash(model) -> None:
     for config in (model.config, model.config.get_text_config(), getattr(model.config, "vision_config", None)):
         if config is not None:
             config._attn_implementation = "flash_attention_2"
+
+
+def stock_flash_attention_works() -> bool:
+    """False on transformers 5.6.0, whose flash_attention_forward calls `s_aux.to(...)` with no attention sink
+    (None) for every model, stock included (fixed in 5.6.1): there is no flash_attention_2 path to compare with."""
+    import transformers
+
+    return transformers.__version__ != "5.6.0"

@@ -24,6 +24,16 @@ CONFIGS = {
 }
 
 
+def sample_alone(batch: dict) -> dict:
+    """One sample's inputs for stock without a cache: no labels, and an explicit mask of ones (it has no padding).
+    Without a mask and a cache transformers 5.2 reads the position ids as packed-sequence boundaries, taking the
+    mRoPE temporal row for them, which cuts a sample at each image; with the mask every release attends over the
+    whole sample."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
+    return inputs
+
+
 def _alone_reference(model, alone: list[dict]):
     """Stock transformers, one sample at a time: loss over all their tokens, logits, gradients."""
     import vlmcp_patch
@@ -33,7 +43,7 @@ def _alone_reference(model, alone: list[dict]):
         model.zero_grad(set_to_none=True)
         logits, sums, count = [], [], 0
         for batch in alone:
-            out = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False)
+            out = model(**sample_alone(batch), use_cache=False)
             targets = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
             sums.append(F.cross_entropy(out.logits.float()[0], targets[0], ignore_index=-100, reduction="sum"))
             count += int((targets != -100).sum())

@@ -36,6 +36,7 @@ from ..settings import SETTINGS
 from .batch import read_batch
 from .positions import positions_of
 from .refusals import first_refusal
+from .vision import encodes_patch_slices
 
 STOCK, AT_P1, CP = "stock", "the package's path at P=1", "CP"
 # Stock's own refusals while it computes positions (e.g. images without `mm_token_type_ids`): the batch's refusal,
@@ -92,7 +93,8 @@ def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False) ->
     # U is computed again here after the rules checked it (`refusals.check_model_config`): they must judge it in
     # their order, and after the first forward of a launch it is arithmetic (P=1: no question at all).
     split = Split(reading.segments[-1][1], cp.size, ulysses_of(text, cp.size))
-    shares = {} if cp.size == 1 else VisionShare.decide_each(reading.grids, vision, cp.size, SETTINGS.vision_dp)
+    shares = {} if cp.size == 1 else VisionShare.decide_each(reading.grids, vision, cp.size, SETTINGS.vision_dp,
+                                                             encodes_patch_slices(model))
     return ForwardPlan(
         path, cp, device=reading.device, shape=reading.shape, real=reading.real, segments=reading.segments,
         positions=positions, ulysses=split.ulysses, vision_tokens=reading.placeholder_rows, vision_shares=shares,

@@ -5,6 +5,7 @@ batch's refusal."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import torch
@@ -43,11 +44,18 @@ def stock_positions(model, call: dict, shape: tuple[int, int], device) -> torch.
             image_grid_thw=call.get("image_grid_thw"),
             video_grid_thw=call.get("video_grid_thw"),
             attention_mask=call.get("attention_mask"),
-            mm_token_type_ids=call.get("mm_token_type_ids"),
+            **token_types_for(multimodal.compute_3d_position_ids, call.get("mm_token_type_ids")),
         )
         if positions is not None:
             return positions
     return torch.arange(seq, device=device).expand(batch, seq)
+
+
+def token_types_for(function, types: torch.Tensor | None) -> dict:
+    """`mm_token_type_ids` as a keyword for `function` where it takes them: transformers 5.2's models have none and
+    find the images and videos from the placeholder tokens of `input_ids` (the token types the processor makes say
+    the same, so a batch's positions are those stock computes either way)."""
+    return {"mm_token_type_ids": types} if "mm_token_type_ids" in inspect.signature(function).parameters else {}
 
 
 def _frames(video_grid_thw: torch.Tensor) -> torch.Tensor:
@@ -69,7 +77,7 @@ def _mrope_of_samples(multimodal, call: dict, segments: list[Segment]) -> torch.
         sample_frames = [next(frames) for kind in runs if kind == 2]
         positions, _ = multimodal.get_rope_index(
             input_ids[:, a:b],
-            mm_token_type_ids=types[:, a:b],
+            **token_types_for(multimodal.get_rope_index, types[:, a:b]),
             image_grid_thw=torch.stack(sample_images) if sample_images else None,
             video_grid_thw=torch.stack(sample_frames) if sample_frames else None,
         )
@@ -92,7 +100,7 @@ def per_sample_mrope(multimodal, call: dict, segments: list[Segment], text: torc
     if call.get("mm_token_type_ids") is None:
         multimodal.compute_3d_position_ids(  # raises stock's error: token types are needed for 3D mRoPE
             input_ids=call["input_ids"], inputs_embeds=None, image_grid_thw=call.get("image_grid_thw"),
-            video_grid_thw=call.get("video_grid_thw"), mm_token_type_ids=None,
+            video_grid_thw=call.get("video_grid_thw"), **token_types_for(multimodal.compute_3d_position_ids, None),
         )
     mrope = _mrope_of_samples(multimodal, call, segments)
     return torch.cat([text.to(mrope)[None], mrope], dim=0)

@@ -47,6 +47,7 @@ from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
 from ..layout import BY_ITEMS, EVERY_ITEM, VisionShare, round_up, segments_from_lengths, shard_slice
 from ..stats import STATS
+from ..supported import family_of
 from ..vision_tiles import encode_in_tiles, group_tiles
 from .arguments import call_arguments
 
@@ -129,6 +130,16 @@ def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionS
         joined = joined[:0]
     STATS.record_vision(share.patches_per_rank(), cp.rank)
     return out, joined
+
+
+def encodes_patch_slices(model) -> bool:
+    """Whether the vision tower of `model` can encode one slice of all items' patches (`encode_patch_slices`): it
+    takes the per-patch tables as arguments (`_patch_tables`) — transformers' towers do where their modeling module
+    imports `get_vision_interpolation_indices_and_weights` (5.15 on). Older towers compute the tables from
+    `grid_thw` inside, for whole items only: their images are shared by items (`VisionShare.decide`)."""
+    family = family_of(model)
+    module = sys.modules.get(family.module) if family is not None else None
+    return hasattr(module, "get_vision_interpolation_indices_and_weights")
 
 
 def _patch_tables(tower, grid: torch.Tensor, rows: slice) -> dict:

@@ -87,6 +87,8 @@ def patches() -> list[Patch]:
             "group hold the same batch; count it once per group",
             expects=("inputs",),
             requires="transformers.trainer",
+            # 5.2 counts the tokens inside its training loop, with no method to patch (docs/versions.md)
+            since="transformers>=5.3",
         ),
         Patch(
             target="transformers.trainer.Trainer.prediction_step",

@@ -18,6 +18,7 @@ kernels are used when transformers selected them, and its pure-torch fallback ot
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import sys
@@ -100,7 +101,9 @@ FAMILIES = register(
 TEXT_MODEL_PARAMS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "use_cache")
 # Digests of the upstream Qwen3_5GatedDeltaNet.forward that `gated_deltanet_over_cp` re-implements (the same in
 # the MoE module), with the releases each was checked on. A digest not listed means upstream changed the layer:
-# re-check it. Between them only the cache handling (not used under CP) differs, and where q and k are repeated
+# re-check it. Between them only the cache handling (not used under CP) differs, where the conv and rule functions
+# live (`FORWARD_KEEPS_KERNELS_ON_LAYER`), whether the forward takes keyword arguments (5.9 on; before, the CP
+# context comes through `context_for_linear_attention`), and where q and k are repeated
 # to the value heads: in the layer's forward before the delta rule up to 5.22, inside the rule functions from
 # 5.23 (grouped value attention). 5.25 moved the conv into a module-level `causal_conv1d_forward` (the same conv
 # without a cache) and lets the chunked rule leave `cache.get_recurrent_states_to_keep` trailing tokens to the
@@ -109,17 +112,41 @@ TEXT_MODEL_PARAMS = ("input_ids", "inputs_embeds", "position_ids", "attention_ma
 # `kernels.kernelize` puts in place of that one is not on the CP path (`kernelized_layer_problem`: why the others
 # run).
 GATED_DELTANET_FORWARD = {
+    "a72326938da48c9d": "transformers>=5.2,<5.4",  # Qwen3_5GatedDeltaNet
+    "8f101be70342a885": "transformers>=5.2,<5.4",  # Qwen3_5MoeGatedDeltaNet (its own cache class in the annotation)
+    "f345f469bbbbc327": "transformers>=5.4,<5.5",  # Qwen3_5GatedDeltaNet
+    "229e5a869adc5b6b": "transformers>=5.4,<5.5",  # Qwen3_5MoeGatedDeltaNet
+    "7c437c5a9ee098ed": "transformers>=5.5,<5.7",
+    "6da7baea4e4fc44f": "transformers>=5.7,<5.9",
+    "fb880bc880960988": "transformers>=5.9,<5.13",
+    "bec9939210bcf590": "transformers>=5.13,<5.14",
+    "b4550a244115aff2": "transformers>=5.14,<5.15",
+    "986d09de2ac78f97": "transformers>=5.15,<5.16",
     "bd25761e1031fff0": "transformers>=5.16,<5.21",
     "43718d6c3e7255e6": "transformers>=5.21,<5.23",
     "8f31ae7d35daf534": "transformers>=5.23,<5.24",
     "08cf65a63ca582a2": "transformers>=5.24,<5.25",
     "a43ffe9ab7f49c75": "transformers>=5.25,<5.26",
 }
-FORWARD_REPEATS_KEY_HEADS = {"bd25761e1031fff0", "43718d6c3e7255e6"}
+# Up to 5.14 the layer keeps its kernels on itself (`causal_conv1d_fn`: causal-conv1d's or None, then stock runs
+# its nn.Conv1d and SiLU; `chunk_gated_delta_rule`: flash-linear-attention's or the module's
+# `torch_chunk_gated_delta_rule`); from 5.15 it calls the module's functions, transformers' kernel wrappers with
+# their torch fallback. The CP path calls what the installed layer calls (`_conv_function`, `_rule_function`).
+FORWARD_KEEPS_KERNELS_ON_LAYER = {
+    "a72326938da48c9d", "8f101be70342a885", "f345f469bbbbc327", "229e5a869adc5b6b", "7c437c5a9ee098ed",
+    "6da7baea4e4fc44f", "fb880bc880960988", "bec9939210bcf590", "b4550a244115aff2",
+}
+# From 5.9 the decoder layer passes its keyword arguments (the CP context among them) on to the gated DeltaNet layer,
+# whose forward takes them; up to 5.8 neither, and the context reaches the DeltaNet layer through
+# `context_for_linear_attention`, a patch of the decoder layer's forward declared for those releases only.
+KWARGS_STOP_AT_DECODER_LAYER = "transformers<5.9"
+FORWARD_REPEATS_KEY_HEADS = FORWARD_KEEPS_KERNELS_ON_LAYER | {"986d09de2ac78f97", "bd25761e1031fff0", "43718d6c3e7255e6"}
 # Digests of the upstream Qwen3_5Model.get_image_features (the same in the MoE module) that the CP path replaces
 # (`forward/vision.py`), with the releases each was checked on.
 IMAGE_FEATURES = ImageFeatures(digests={
-    "6727c329a5f160b1": "transformers>=5.16,<5.18",
+    "8bbb265e453e14c1": "transformers>=5.2,<5.9",
+    "089a69edc1e434e9": "transformers>=5.9,<5.15",
+    "6727c329a5f160b1": "transformers>=5.15,<5.18",
     "f025aaaa71a69cd7": "transformers>=5.18,<5.23",
     "70b336d6aa3c2cfd": "transformers>=5.23,<5.26",
 })
@@ -248,10 +275,39 @@ def _conv_outputs(layer, mixed: torch.Tensor, share: _HeadShare):
     )
 
 
+@functools.cache
+def _keeps_kernels_on_layer(layer_class: type) -> bool:
+    """Whether the installed layer calls the conv and delta-rule functions it keeps on itself (see
+    `FORWARD_KEEPS_KERNELS_ON_LAYER`) rather than its modeling module's."""
+    return source_digest(layer_class.forward) in FORWARD_KEEPS_KERNELS_ON_LAYER
+
+
+def torch_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **_) -> torch.Tensor:
+    """What the layers that keep their kernels on themselves compute without causal-conv1d (`F.silu(self.conv1d(x)
+    [..., :T])`: a depthwise conv padded by kernel - 1 on both sides, its first T outputs), for any rows of the conv
+    weight (B, C, T) -> (B, C, T). Those releases apply SiLU whatever `activation` says, and so does this."""
+    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=x.shape[1])
+    return F.silu(out[..., : x.shape[-1]])
+
+
+def _conv_function(modeling, layer):
+    """The causal conv the installed layer runs, called as `conv(x, weight, bias, activation=...)`."""
+    if _keeps_kernels_on_layer(type(layer)):
+        return layer.causal_conv1d_fn or torch_causal_conv
+    return modeling.causal_conv1d_fn
+
+
+def _rule_function(modeling, layer):
+    """The chunked gated delta rule the installed layer runs without a cache (the stock signature)."""
+    if _keeps_kernels_on_layer(type(layer)):
+        return layer.chunk_gated_delta_rule
+    return modeling.torch_chunk_gated_delta_rule
+
+
 def _causal_conv(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
     """The depthwise causal conv on this rank's channels over the whole row, reset at every sample."""
     mixed, weight, bias = _conv_inputs(layer, q, k, v, share)
-    conv = modeling.causal_conv1d_fn
+    conv = _conv_function(modeling, layer)
     if _takes_packed_sequences(conv, mixed.device):
         mixed = conv(mixed, weight, bias, activation=layer.activation, seq_idx=_segment_ids(ctx, mixed.device))
     else:
@@ -262,7 +318,7 @@ def _causal_conv(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
 def _causal_conv_over_ring(modeling, layer, q, k, v, share: _HeadShare, ctx: CPContext):
     """The conv on this rank's channels over its subgroup's two chunks, each reading back through its halo."""
     mixed, weight, bias = _conv_inputs(layer, q, k, v, share)
-    mixed = conv_over_ring(modeling.causal_conv1d_fn, mixed, ctx, weight=weight, bias=bias, activation=layer.activation)
+    mixed = conv_over_ring(_conv_function(modeling, layer), mixed, ctx, weight=weight, bias=bias, activation=layer.activation)
     return _conv_outputs(layer, mixed, share)
 
 
@@ -284,7 +340,7 @@ def _keys_for_rule(layer, q, k, v):
 def _delta_rule_over_ring(modeling, layer, q, k, v, g, beta, ctx: CPContext) -> torch.Tensor:
     """The gated delta rule of this rank's heads over its subgroup's two chunks, each from its true initial state."""
     q, k = _keys_for_rule(layer, q, k, v)
-    rule = modeling.torch_chunk_gated_delta_rule
+    rule = _rule_function(modeling, layer)
 
     def piece(q, k, v, g, beta, initial_state):
         return rule(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
@@ -296,7 +352,7 @@ def _delta_rule_over_ring(modeling, layer, q, k, v, g, beta, ctx: CPContext) -> 
 def _delta_rule(modeling, layer, q, k, v, g, beta, ctx: CPContext) -> torch.Tensor:
     """The gated delta rule of this rank's heads over the whole row, reset at every packed sample."""
     q, k = _keys_for_rule(layer, q, k, v)
-    rule = modeling.torch_chunk_gated_delta_rule
+    rule = _rule_function(modeling, layer)
     options = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
     if _takes_packed_sequences(rule, q.device):
         return rule(q, k, v, g=g, beta=beta, cu_seqlens=ctx.cu_seqlens(q.device).long(), **options)[0]
@@ -326,12 +382,33 @@ def gated_deltanet_over_cp(layer, hidden_states: torch.Tensor, ctx: CPContext) -
     return layer.out_proj(out.reshape(batch, local_len, -1))
 
 
+# The CP context of the decoder layer running now, where the decoder layer does not hand its keyword arguments on
+# to its linear attention (`KWARGS_STOP_AT_DECODER_LAYER`): set by `context_for_linear_attention`.
+_LAYER_CONTEXT: contextvars.ContextVar[CPContext | None] = contextvars.ContextVar("vlmcp_layer_ctx", default=None)
+
+
+def context_for_linear_attention(wrapped, instance, args, kwargs):
+    """A decoder layer's forward with the CP context it was given (`vlmcp_ctx`, from the text decoder) current while
+    it runs, for its gated DeltaNet layer to read (`cp_gated_deltanet_forward`). Set on every call of the forward,
+    so gradient checkpointing's recomputation of the layer, which calls it again with the same arguments, sees it
+    too."""
+    ctx = kwargs.get(CTX_KWARG)
+    if ctx is None:
+        return wrapped(*args, **kwargs)
+    token = _LAYER_CONTEXT.set(ctx)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _LAYER_CONTEXT.reset(token)
+
+
 def cp_gated_deltanet_forward(wrapped, instance, args, kwargs):
-    if kwargs.get(CTX_KWARG) is None:
+    ctx = kwargs.pop(CTX_KWARG, None) or _LAYER_CONTEXT.get()
+    if ctx is None:
         return wrapped(*args, **kwargs)
     call = call_arguments(wrapped, args, kwargs)
     with site(module_site(instance)):
-        return run_ordered(gated_deltanet_over_cp, instance, call["hidden_states"], call[CTX_KWARG])
+        return run_ordered(gated_deltanet_over_cp, instance, call["hidden_states"], ctx)
 
 
 # The MLPs that run in sequence tiles under CP (`tiles.py`), per family: Qwen3.5-MoE's gated MLP is its shared expert.
@@ -363,6 +440,17 @@ def patches() -> list[Patch]:
                 "see the whole sequence (reset per packed sample) for this rank's heads",
                 expects=("hidden_states", ("cache_params", "cache"), "attention_mask"),
                 mirrors=GATED_DELTANET_FORWARD,
+                family=family.name,
+            )
+        )
+        out.append(
+            Patch(
+                target=family.target(f"{prefix}DecoderLayer", "forward"),
+                wrapper=context_for_linear_attention,
+                reason="under CP: the decoder layer of these releases calls its gated DeltaNet layer without its own "
+                "keyword arguments; the CP context it was given is made current for the DeltaNet layer to read",
+                expects=("hidden_states",),
+                since=KWARGS_STOP_AT_DECODER_LAYER,
                 family=family.name,
             )
         )

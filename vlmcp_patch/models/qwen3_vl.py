@@ -27,7 +27,9 @@ TEXT_MODEL_PARAMS = ("inputs_embeds", "position_ids", "visual_pos_masks", "deeps
 # deepstack levels per image like the merged features; the older ones hand each level over whole.
 IMAGE_FEATURES = ImageFeatures(
     digests={
-        "357792d495a52163": "transformers>=5.16,<5.18",
+        "a9cb67a8bec21ff6": "transformers>=5.2,<5.9",
+        "905751267d7d5087": "transformers>=5.9,<5.15",
+        "357792d495a52163": "transformers>=5.15,<5.18",
         "7cfd1145855212c0": "transformers>=5.18,<5.23",
         "cff98fb9fd0127c7": "transformers>=5.23,<5.26",
     },
