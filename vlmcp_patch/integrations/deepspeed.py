@@ -20,11 +20,15 @@ from ..patching import Patch
 from ..tiles import gather_whole_mlps_under_zero3
 from .setup import check_cp_setup, require_integration
 
-# Digest of DeepSpeed 0.19's `DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`, which averages over all
-# W ranks and ignores the sequence-parallel size; the patch multiplies by P on that assumption. If DeepSpeed
-# starts scaling for sequence parallelism there itself, the digest changes and the patch refuses to install
-# (gradients would otherwise silently be P times too large).
-ZERO3_AVG_SCATTER_GRADS = {"89aab0f80f1a80b3": "deepspeed>=0.19,<0.20"}
+# Digests of `DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`, which averages over all W ranks (its
+# reduce-scatter over the sequence-data-parallel group) and ignores the sequence-parallel size; the patch
+# multiplies by P on that assumption. 0.16.9 takes no `communication_data_type` (it reads the optimizer's own);
+# the patch relies on neither. If DeepSpeed starts scaling for sequence parallelism there itself, the digest
+# changes and the patch refuses to install (gradients would otherwise silently be P times too large).
+ZERO3_AVG_SCATTER_GRADS = {
+    "5628d77ba6aefa8d": "deepspeed==0.16.9",
+    "f392cb14952e5019": "deepspeed>=0.19,<0.20",
+}
 
 
 class CPParallelState:
@@ -50,6 +54,12 @@ class CPParallelState:
 
     def get_sequence_data_parallel_rank(self) -> int:
         return dist.get_rank()
+
+    def get_data_parallel_group(self):
+        """DeepSpeed < 0.17 asks the mpu for it (`groups._get_data_parallel_group`); newer releases take None for a
+        sequence-parallel mpu without asking. None here too: the engine then reduces over the sequence-data-parallel
+        group and divides by W/P, as on the newer releases."""
+        return None
 
     def get_data_parallel_world_size(self) -> int:
         return data_parallel_world_size()
@@ -108,7 +118,7 @@ def patches() -> list[Patch]:
             wrapper=cp_zero3_avg_scatter_grads,
             reason="under CP: ZeRO-3's reduce-scatter averages gradients over all W ranks, ignoring the "
             "sequence-parallel size its other reduction paths divide by; multiply by P so it sums over CP",
-            expects=("params_to_reduce", "communication_data_type"),
+            expects=("params_to_reduce",),
             mirrors=ZERO3_AVG_SCATTER_GRADS,
             requires="deepspeed",
         ),

@@ -1,0 +1,149 @@
+"""The releases of Accelerate, DeepSpeed, PEFT and TRL the package trains with (integrations/releases.py,
+docs/versions.md), and the records' checks that decide it.
+
+The launched runs on the oldest releases are the integration tests themselves (test_trainer.py, test_deepspeed.py,
+test_trl.py, test_trl_rl.py), run in an environment holding those releases (`.ci/run`, the oldest environment).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+import vlmcp_patch
+from vlmcp_patch.errors import PatchTargetError
+from vlmcp_patch.integrations.releases import OLDEST, TRL_TRAINERS, check_release, check_trl_trainer
+from vlmcp_patch.patching import Patch, resolve, source_digest
+
+
+@pytest.mark.parametrize("package", sorted(OLDEST))
+def test_a_release_older_than_the_oldest_checked_is_refused_naming_it(package):
+    oldest = OLDEST[package]
+    major, minor, *_ = (int(x) for x in oldest.split("."))
+    older = f"{major}.{minor - 1}.0" if minor else f"{major - 1}.99.0"
+    with pytest.raises(vlmcp_patch.UnsupportedSetupError, match=f"{package} {older} is not supported"):
+        check_release(package, older)
+    for version in (oldest, "9.0.0"):  # newer releases are decided by the patch records, not refused here
+        check_release(package, version)
+
+
+@pytest.mark.parametrize("trainer,version,trains", [
+    ("SFTTrainer", "0.24.0", True), ("DPOTrainer", "0.24.0", False), ("GRPOTrainer", "0.28.0", False),
+    ("SFTTrainer", "0.29.1", True), ("DPOTrainer", "1.14.2", True), ("KTOTrainer", "1.14.2", False),
+    ("GRPOTrainer", "1.14.2", False), ("SFTTrainer", "1.15.0", False), ("RLOOTrainer", "1.16.0", True),
+    ("GRPOTrainer", "1.17.0", True), ("SFTTrainer", "0.23.1", False),
+])
+def test_trl_trainers_refused_where_that_release_does_not_train_them_exactly(trainer, version, trains):
+    if trains:
+        check_trl_trainer(trainer, version)
+        return
+    with pytest.raises(vlmcp_patch.UnsupportedSetupError, match=f"{version}"):
+        check_trl_trainer(trainer, version)
+
+
+def test_every_trl_release_range_lists_sft():
+    assert all("SFTTrainer" in names for names in TRL_TRAINERS.values())
+
+
+def test_a_target_whose_module_fails_to_import_does_not_verify(monkeypatch):
+    """TRL < 0.29 on transformers 5: `trl.trainer.dpo_trainer` raises RuntimeError through TRL's lazy module (a
+    missing mergekit). The target does not verify; the import of the package goes on."""
+
+    class Lazy(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            raise RuntimeError(f"Failed to import {self.__name__}.{name}: No module named 'mergekit'")
+
+    monkeypatch.setitem(sys.modules, "vlmcp_lazy_stack", Lazy("vlmcp_lazy_stack"))
+    with pytest.raises(PatchTargetError, match="cannot be imported.*mergekit"):
+        resolve("vlmcp_lazy_stack.trainer.Trainer.compute_loss")
+    with pytest.raises(PatchTargetError):
+        Patch(target="vlmcp_lazy_stack.trainer.Trainer.compute_loss", wrapper=lambda *a: None, reason="",
+              requires="vlmcp_lazy_stack").check()
+
+
+def _decorated():
+    def instrument(func):  # as DeepSpeed's instrument_w_nvtx: a wrapper of another name, without functools.wraps
+        def wrapped_fn(*args, **kwargs):
+            return func(*args, **kwargs)
+
+        return wrapped_fn
+
+    class Optimizer:
+        @instrument
+        def __scatter(self, params):
+            return params
+
+    return Optimizer
+
+
+def test_a_pinned_digest_is_the_targets_source_not_its_decorators():
+    """The digest of a method under a decorator that does not use functools.wraps is its own source's: before, it was
+    the decorator's wrapper (the same for every method it wraps), so a changed DeepSpeed method still verified."""
+    import inspect
+
+    target = _decorated()._Optimizer__scatter
+    ours = source_digest(target, "_Optimizer__scatter")
+    wrapper = source_digest(target)
+    import hashlib
+
+    inner = target.__closure__[0].cell_contents
+    assert ours == hashlib.sha256(inspect.getsource(inner).encode()).hexdigest()[:16]
+    assert ours != wrapper
+
+
+def test_the_pinned_deepspeed_digest_is_of_avg_scatter_grads_itself():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from vlmcp_patch.integrations.deepspeed import ZERO3_AVG_SCATTER_GRADS
+
+    name = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+    assert source_digest(getattr(DeepSpeedZeroOptimizer_Stage3, name), name) in ZERO3_AVG_SCATTER_GRADS
+
+
+REFUSED_TRAINER = """
+    import os
+    import vlmcp_patch
+    from vlmcp_patch.integrations import releases
+    import trl
+    from trl import SFTConfig, SFTTrainer
+    if os.environ["DROP"] == "1":  # as if the installed TRL's SFTTrainer were not among those it trains exactly
+        for spec in releases.TRL_TRAINERS:
+            releases.TRL_TRAINERS[spec] = tuple(n for n in releases.TRL_TRAINERS[spec] if n != "SFTTrainer")
+    from datasets import Dataset
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+    from vlmcp_patch.fixtures.processor import tiny_processor
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    class MyTrainer(SFTTrainer):  # a script's subclass is TRL's trainer all the same
+        pass
+    try:
+        MyTrainer(model=build_model(tiny_qwen3_vl_config()), train_dataset=Dataset.from_list([{"messages": chat}]),
+                  processing_class=tiny_processor(),
+                  args=SFTConfig(output_dir=os.environ["OUT"], report_to=[], use_cpu=True, max_steps=1))
+        print("RESULT built")
+    except vlmcp_patch.UnsupportedSetupError as exc:
+        print("RESULT refused", f"not supported on trl {trl.__version__}" in str(exc))
+"""
+
+
+@pytest.mark.parametrize("drop,cp_size,expected", [("1", "2", "refused True"), ("0", "2", "refused False"),
+                                                   ("1", "1", "built")])
+def test_a_trl_trainer_not_checked_on_the_installed_release_is_refused_when_built(drop, cp_size, expected, tmp_path):
+    """Under CP the trainer's construction raises before any step, naming the TRL release. The control (the trainer
+    listed) gets past that check, to the next one (one process: no CP group to run in, refused for that); at P=1
+    nothing is refused."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    import os
+
+    env = {**os.environ, "VLMCP_CP_SIZE": cp_size, "DROP": drop, "OUT": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(REFUSED_TRAINER)], capture_output=True, text=True,
+                         env=env, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [line for line in out.stdout.splitlines() if line.startswith("RESULT")] == [f"RESULT {expected}"]
