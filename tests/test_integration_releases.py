@@ -147,3 +147,80 @@ def test_a_trl_trainer_not_checked_on_the_installed_release_is_refused_when_buil
                          env=env, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [line for line in out.stdout.splitlines() if line.startswith("RESULT")] == [f"RESULT {expected}"]
+
+
+def _archive(path, package: str, files: list[str], change: tuple[str, str, str] | None = None, sdist=False):
+    """A wheel (or source archive) of the installed `package`'s `files`; `change`: (file, old, new) in one of them."""
+    import importlib
+    import io
+    import tarfile
+    import zipfile
+    from pathlib import Path
+
+    root = Path(importlib.import_module(package).__file__).parent
+    texts = {}
+    for name in files:
+        text = (root / name).read_text()
+        if change and change[0] == name:
+            assert change[1] in text
+            text = text.replace(change[1], change[2], 1)
+        texts[f"{package}/{name}"] = text
+    if sdist:
+        with tarfile.open(path, "w:gz") as archive:
+            for name, text in texts.items():
+                data = text.encode()
+                info = tarfile.TarInfo(f"{package}-0.0.0/{name}")
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    else:
+        with zipfile.ZipFile(path, "w") as archive:
+            for name, text in texts.items():
+                archive.writestr(name, text)
+    return path
+
+
+def _tool():
+    import importlib
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    return importlib.import_module("check_integration_release")
+
+
+def test_the_release_checker_reads_the_installed_deepspeed_as_the_import_does(tmp_path):
+    """tools/check_integration_release.py on a source archive of the installed DeepSpeed: every record verifies, with
+    the digest the import computes; the ZeRO-3 method changed in the archive is reported, the other record not."""
+    deepspeed = pytest.importorskip("deepspeed")
+    tool = _tool()
+    files = ["__init__.py", "runtime/zero/stage3.py", "runtime/zero/stage_1_and_2.py"]
+    records = tool.patch_records("deepspeed", deepspeed.__version__)
+    assert records
+    same = tool.Sources(_archive(tmp_path / "deepspeed-0.0.0.tar.gz", "deepspeed", files, sdist=True))
+    results = {p.target: tool.check(p, same) for p in records}
+    assert all(problems == [] for problems, _ in results.values()), results
+    target = next(p.target for p in records if p.mirrors)
+    from vlmcp_patch.integrations.deepspeed import ZERO3_AVG_SCATTER_GRADS
+
+    assert results[target][1] in ZERO3_AVG_SCATTER_GRADS
+    changed = tool.Sources(_archive(tmp_path / "deepspeed-0.0.1.tar.gz", "deepspeed", files, sdist=True, change=(
+        "runtime/zero/stage3.py", "grad_partitions_for_rank = reduce_scatter_coalesced(",
+        "grad_partitions_for_rank = 2 * reduce_scatter_coalesced(")))
+    problems = {p.target: tool.check(p, changed)[0] for p in records}
+    assert [t for t, found in problems.items() if found] == [target]
+
+
+def test_the_release_checker_follows_imports_as_the_import_resolves_them(tmp_path):
+    """Accelerate's `accelerate.accelerator.prepare_data_loader` is defined in `accelerate.data_loader` and imported:
+    read there, its parameters checked; a parameter renamed in the wheel is reported."""
+    accelerate = pytest.importorskip("accelerate")
+    tool = _tool()
+    files = ["__init__.py", "accelerator.py", "data_loader.py"]
+    records = tool.patch_records("accelerate", accelerate.__version__)
+    target = "accelerate.accelerator.prepare_data_loader"
+    record = next(p for p in records if p.target == target)
+    wheel = tool.Sources(_archive(tmp_path / "a.whl", "accelerate", files))
+    assert tool.Sources.definition(wheel, target)[2].startswith("accelerate/data_loader.py")
+    assert tool.check(record, wheel)[0] == []
+    renamed = tool.Sources(_archive(tmp_path / "b.whl", "accelerate", files, change=(
+        "data_loader.py", "    torch_device_mesh=None,\n) -> DataLoader:", "    device_mesh_renamed=None,\n) -> DataLoader:")))
+    assert "no longer takes ['torch_device_mesh']" in tool.check(record, renamed)[0][0]
