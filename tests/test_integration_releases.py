@@ -45,6 +45,20 @@ def test_trl_trainers_refused_where_that_release_does_not_train_them_exactly(tra
         check_trl_trainer(trainer, version)
 
 
+@pytest.mark.parametrize("version,loss_type,trains", [("1.14.2", "chunked_nll", False), ("1.14.2", "nll", True),
+                                                      ("1.16.0", "chunked_nll", True), ("0.29.1", None, True)])
+def test_trl_sfts_chunked_loss_before_the_fused_head_is_refused(version, loss_type, trains):
+    """TRL 1.4 to 1.14's SFT `loss_type="chunked_nll"` runs the backbone past the model's forward (its first forward
+    under CP would raise "called directly"): refused when the trainer is built, naming the release and the way out."""
+    trainer = type("SFTTrainer", (), {"__module__": "trl.trainer.sft_trainer"})()
+    trainer.args = types.SimpleNamespace(loss_type=loss_type)
+    if trains:
+        check_trl_trainer(trainer, version)
+        return
+    with pytest.raises(vlmcp_patch.UnsupportedSetupError, match=f"TRL {version}'s SFTTrainer.*loss_type='nll'"):
+        check_trl_trainer(trainer, version)
+
+
 def test_every_trl_release_range_lists_sft():
     assert all("SFTTrainer" in names for names in TRL_TRAINERS.values())
 

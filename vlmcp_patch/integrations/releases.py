@@ -23,8 +23,8 @@ from ..errors import UnsupportedSetupError
 # The oldest release of each stack checked (the extras' lower bounds).
 OLDEST = {"accelerate": "1.11.0", "deepspeed": "0.16.9", "peft": "0.18.0", "trl": "0.24.0"}
 
-# The TRL trainers that train exactly under CP, per TRL release range: the newest releases checked, and from the
-# oldest checked on (DPO, KTO, GRPO and RLOO of TRL < 0.29 do not import on transformers 5: TRL reads transformers'
+# The TRL trainers that train exactly under CP, per TRL release range (SFT of 1.4 to 1.14 with its loss_type "nll", not
+# its chunked loss: below): the newest releases checked, and from the oldest checked on (DPO, KTO, GRPO and RLOO of TRL < 0.29 do not import on transformers 5: TRL reads transformers'
 # `_is_package_available`, which returns a tuple there, as a bool). Any other trainer, or a release in none of the
 # ranges (1.15: its fused head is not the pinned one), is refused under CP before the first step.
 TRL_TRAINERS = {
@@ -32,6 +32,12 @@ TRL_TRAINERS = {
     ">=0.29,<1.15": ("SFTTrainer", "DPOTrainer"),
     ">=0.24,<0.29": ("SFTTrainer",),
 }
+
+
+# TRL 1.4 to 1.14's SFT loss that projects the backbone's hidden states itself, in chunks (`_chunked_cross_entropy_loss`),
+# past the model's forward; from 1.15 SFT scores with the fused head, which the package patches (`FUSED_HEAD`).
+CHUNKED_LOSSES = ("chunked_nll",)
+FUSED_HEAD = ">=1.15"
 
 
 def installed(package: str) -> str | None:
@@ -75,4 +81,12 @@ def check_trl_trainer(trainer, version: str | None = None) -> None:
             f"context parallelism with TRL's {name} is not supported on trl {version}: vlmcp-patch trains exactly with "
             f"{ranges}. Install a TRL release where {name} is listed (e.g. pip install 'trl>=1.16'), or set "
             "VLMCP_CP_SIZE=1."
+        )
+    loss_type = getattr(getattr(trainer, "args", None), "loss_type", None)
+    if name == "SFTTrainer" and loss_type in CHUNKED_LOSSES and not SpecifierSet(FUSED_HEAD).contains(version):
+        raise UnsupportedSetupError(
+            f"context parallelism with TRL {version}'s SFTTrainer and loss_type={loss_type!r} (its default from 1.8 at "
+            "the latest) is not supported: that loss runs the model's backbone past its forward, which CP does not "
+            "run there. Set SFTConfig(loss_type='nll') (the same loss through the model's forward), install "
+            "trl>=1.16, or set VLMCP_CP_SIZE=1."
         )
