@@ -158,7 +158,7 @@ def test_a_trl_trainer_not_checked_on_the_installed_release_is_refused_when_buil
 
     env = {**os.environ, "VLMCP_CP_SIZE": cp_size, "DROP": drop, "OUT": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(REFUSED_TRAINER)], capture_output=True, text=True,
-                         env=env, timeout=180)
+                         env=env, timeout=180, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [line for line in out.stdout.splitlines() if line.startswith("RESULT")] == [f"RESULT {expected}"]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from check_release import digest, parameters  # noqa: E402
+from check_release import digest, parameters
 
 PACKAGES = ("accelerate", "deepspeed", "peft", "trl")
 

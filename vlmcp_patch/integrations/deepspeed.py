@@ -64,8 +64,7 @@ class CPParallelState:
     def get_data_parallel_group(self):
         """DeepSpeed < 0.17 asks the mpu for it (`groups._get_data_parallel_group`); newer releases take None for a
         sequence-parallel mpu without asking. None here too: the engine then reduces over the sequence-data-parallel
-        group and divides by W/P, as on the newer releases."""
-        return None
+        group and divides by W/P, as on the newer releases (a method without a return statement: None)."""
 
     def get_data_parallel_world_size(self) -> int:
         return data_parallel_world_size()

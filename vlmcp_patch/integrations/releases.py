@@ -24,9 +24,10 @@ from ..errors import UnsupportedSetupError
 OLDEST = {"accelerate": "1.11.0", "deepspeed": "0.16.9", "peft": "0.18.0", "trl": "0.24.0"}
 
 # The TRL trainers that train exactly under CP, per TRL release range (SFT of 1.4 to 1.14 with its loss_type "nll", not
-# its chunked loss: below): the newest releases checked, and from the oldest checked on (DPO, KTO, GRPO and RLOO of TRL < 0.29 do not import on transformers 5: TRL reads transformers'
-# `_is_package_available`, which returns a tuple there, as a bool). Any other trainer, or a release in none of the
-# ranges (1.15: its fused head is not the pinned one), is refused under CP before the first step.
+# its chunked loss: below): the newest releases checked, and from the oldest checked on (DPO, GRPO and RLOO of TRL <
+# 0.29 do not import on transformers 5: TRL reads transformers' `_is_package_available`, which returns a tuple there,
+# as a bool). Any other trainer, or a release in none of the ranges (1.15: its fused head is not the pinned one), is
+# refused under CP before the first step.
 TRL_TRAINERS = {
     ">=1.16": ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer"),
     ">=0.29,<1.15": ("SFTTrainer", "DPOTrainer"),
