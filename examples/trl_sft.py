@@ -61,6 +61,7 @@ def main(argv=None) -> None:
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--optim", default="adamw_torch", help="any TrainingArguments.optim, e.g. sgd")
+    parser.add_argument("--loss-type", help="SFTConfig.loss_type (default: TRL's), e.g. nll")
     parser.add_argument("--samples", type=int, default=24)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (TRL's default on GPUs)")
     parser.add_argument("--fsdp", action="store_true", help="train with FSDP2 (parameters sharded over all ranks)")
@@ -81,7 +82,9 @@ def main(argv=None) -> None:
         from vlmcp_patch.fixtures.cpu import configure_cpu_state
 
         configure_cpu_state("FSDP")
+    loss = {"loss_type": args.loss_type} if args.loss_type else {}  # TRL 1.4 to 1.14 under CP: "nll"
     config = SFTConfig(
+        **loss,
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum,

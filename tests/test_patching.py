@@ -262,6 +262,12 @@ def test_an_optional_stack_whose_pinned_source_changed_refuses_that_patch_only(c
     rest of the package is installed, and CP under TRL raises when the trainer is built — before any step —
     while P=1 is unaffected."""
     pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from vlmcp_patch.integrations.trl import FUSED_LM_HEAD_SINCE
+
+    if not applies_here(SimpleNamespace(since=FUSED_LM_HEAD_SINCE)):
+        pytest.skip("this TRL has no fused head (before 1.15): no pinned source of it to change")
     lines = [line for line in _run(REFUSED_TRL, VLMCP_CP_SIZE=cp_size, OUT=str(tmp_path)).splitlines()
              if line.startswith("RESULT ")]
     assert lines == ["RESULT True True True", f"RESULT {expected}"]
@@ -333,7 +339,7 @@ def test_python_m_vlmcp_patch_reports_and_self_tests():
     for section in ("== versions", "== optional kernels", "== CP layout of this launch", "== patches", "== self-test"):
         assert section in out.stdout
     assert out.stdout.count("PASS") == 2 and "FAIL" not in out.stdout
-    assert "on deepspeed>=0.19,<0.20" in out.stdout
+    assert "on deepspeed>=0.16.9,<0.17.2" in out.stdout
 
 
 def _reloaded_cp_forward(rank, world_size):

@@ -39,7 +39,8 @@ def _launch(tmp: Path, name: str, procs: int, cp_size: int, extra=()) -> tuple[d
     return torch.load(tmp / f"{name}.pt"), [e for e in entries if "loss" in e], wrapper
 
 
-RUNS = {"p1": (1, 1, ()), "cp2": (2, 2, ()), "ddp2": (2, 1, ()), "fsdp-cp2": (2, 2, ("--fsdp",))}
+RUNS = {"p1": (1, 1, ()), "cp2": (2, 2, ()), "ddp2": (2, 1, ()), "fsdp-cp2": (2, 2, ("--fsdp",)),
+        "p1-nll": (1, 1, ("--loss-type", "nll")), "cp2-nll": (2, 2, ("--loss-type", "nll"))}
 
 
 def sft_run(name: str):
@@ -69,6 +70,15 @@ def test_sft_trainer_cp2_equals_p1(wrapper, once):
     run = once(sft_run, "cp2" if wrapper == "DDP" else "fsdp-cp2")
     assert run[2] == wrapper
     _assert_same_training(run, once(sft_run, "p1"))
+
+
+@pytest.mark.extended
+def test_sft_trainer_with_the_nll_loss_cp2_equals_p1(once):
+    """SFTConfig(loss_type="nll"): on TRL 1.4 to 1.14 the loss through the model's forward, the one CP runs there (their
+    chunked loss, the default, is refused under CP: test_integration_releases.py); on 1.15+ the fused head as ever."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    _assert_same_training(once(sft_run, "cp2-nll"), once(sft_run, "p1-nll"))
 
 
 @pytest.mark.integration

@@ -47,12 +47,18 @@ def resolve(dotted: str):
             obj = importlib.import_module(".".join(parts[:split]))
         except ImportError:
             continue
+        except Exception as exc:  # a module whose own import fails otherwise
+            raise PatchTargetError(f"patch target {dotted} cannot be imported in {_version_of(dotted)}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
         try:
             for name in parts[split:-1]:
                 obj = getattr(obj, name)
             return obj, parts[-1], getattr(obj, parts[-1])
         except AttributeError:
             break
+        except Exception as exc:  # a lazy module that fails to import (TRL < 0.29 on transformers 5: RuntimeError)
+            raise PatchTargetError(f"patch target {dotted} cannot be imported in {_version_of(dotted)}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
     raise PatchTargetError(f"patch target {dotted} does not exist in {_version_of(dotted)}")
 
 
@@ -67,10 +73,13 @@ def _innermost(obj, name: str):
     return obj
 
 
-def source_digest(obj) -> str:
-    """The first 16 hex digits of the sha256 of the target's source ("unreadable" without a source file)."""
+def source_digest(obj, name: str | None = None) -> str:
+    """The first 16 hex digits of the sha256 of the target's source ("unreadable" without a source file). `name` is
+    the attribute the target is found under (its own `__name__` by default): a decorator that wraps without
+    functools.wraps (DeepSpeed's `instrument_w_nvtx`) returns a function of another name, and the source digested must
+    be the target's, not that decorator's."""
     try:
-        source = inspect.getsource(_innermost(obj, obj.__name__))
+        source = inspect.getsource(_innermost(obj, name or obj.__name__))
     except (OSError, TypeError):
         return "unreadable"
     return hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -109,7 +118,8 @@ class Patch:
     expects: tuple[Expected, ...] = ()
     mirrors: Mapping[str, str] | None = None
     requires: str | None = None
-    since: str | None = None  # the releases it is for: "transformers>=5.20" (older ones lack the target), "<5.9"
+    # the releases it applies to, e.g. "transformers>=5.20" (a target older releases lack), "transformers<5.9", "trl<1.15"
+    since: str | None = None
     family: str | None = None  # the model family this patch serves (None: shared by every family)
     guard: Callable | None = None  # installed instead (unchecked) when this patch's family did not verify
 
@@ -127,7 +137,7 @@ class Patch:
                 f"patch target {self.target} in {_version_of(self.target)} has changed: "
                 f"it no longer takes {missing}; this vlmcp-patch release does not support that version"
             )
-        digest = None if self.mirrors is None else source_digest(original)
+        digest = None if self.mirrors is None else source_digest(original, name)
         if digest is not None and digest not in self.mirrors:
             raise PatchTargetError(
                 f"patch target {self.target} in {_version_of(self.target)} has changed: its source (digest "

@@ -20,11 +20,21 @@ from ..patching import Patch
 from ..tiles import gather_whole_mlps_under_zero3
 from .setup import check_cp_setup, require_integration
 
-# Digest of DeepSpeed 0.19's `DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`, which averages over all
-# W ranks and ignores the sequence-parallel size; the patch multiplies by P on that assumption. If DeepSpeed
-# starts scaling for sequence parallelism there itself, the digest changes and the patch refuses to install
-# (gradients would otherwise silently be P times too large).
-ZERO3_AVG_SCATTER_GRADS = {"89aab0f80f1a80b3": "deepspeed>=0.19,<0.20"}
+# Digests of `DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`, which averages over all W ranks (its
+# reduce-scatter over the sequence-data-parallel group) and ignores the sequence-parallel size; the patch
+# multiplies by P on that assumption. Each release of the range was read (tools/check_integration_release.py): 0.17.2
+# passes the communication dtype in, 0.19.2 casts back to the accumulation dtype, 0.19.3 reduces over the parameter's
+# partition group (the same group without expert parallelism) and rescales expert parameters only, 0.19.8 drops the
+# LoCo branch of ZeRO++'s quantized all-to-all: the average over the W ranks stays. The patch relies on no parameter
+# but the first. If DeepSpeed starts scaling for sequence parallelism there itself, the digest changes and the patch
+# refuses to install (gradients would otherwise silently be P times too large).
+ZERO3_AVG_SCATTER_GRADS = {
+    "5628d77ba6aefa8d": "deepspeed>=0.16.9,<0.17.2",
+    "1081d9506165b1c9": "deepspeed>=0.17.2,<0.19.2",
+    "2ae63ba51326f916": "deepspeed==0.19.2",
+    "505ff82186b0a7ce": "deepspeed>=0.19.3,<0.19.8",
+    "f392cb14952e5019": "deepspeed>=0.19.8,<0.20",
+}
 
 
 class CPParallelState:
@@ -50,6 +60,11 @@ class CPParallelState:
 
     def get_sequence_data_parallel_rank(self) -> int:
         return dist.get_rank()
+
+    def get_data_parallel_group(self):
+        """DeepSpeed < 0.17 asks the mpu for it (`groups._get_data_parallel_group`); newer releases take None for a
+        sequence-parallel mpu without asking. None here too: the engine then reduces over the sequence-data-parallel
+        group and divides by W/P, as on the newer releases (a method without a return statement: None)."""
 
     def get_data_parallel_world_size(self) -> int:
         return data_parallel_world_size()
@@ -100,15 +115,39 @@ def cp_zero3_avg_scatter_grads(wrapped, instance, args, kwargs):
     return partitions
 
 
+def sequence_parallel_mpu_without_model_parallelism(wrapped, instance, args, kwargs):
+    """DeepSpeed < 0.17's ZeRO optimizers take any mpu for tensor model parallelism: a gradient norm counts the
+    parameters on model-parallel rank 0 only and is summed over the model-parallel group — here the CP group, whose
+    ranks each hold their own gradient partition under ZeRO, so the other CP ranks' partitions would be missed and
+    clipping scale wrongly. 0.17 and later take a sequence-parallel mpu (one with `initialize_sequence_parallel`) for no
+    model parallelism there; so do these optimizers once built."""
+    result = wrapped(*args, **kwargs)
+    if isinstance(call_arguments(wrapped, args, kwargs).get("mpu"), CPParallelState):
+        instance.model_parallel_group, instance.model_parallel_rank = None, 0
+        if hasattr(instance, "model_parallel_world_size"):  # ZeRO-1/2 (ZeRO-3 reads the group alone)
+            instance.model_parallel_world_size = 1
+    return result
+
+
 def patches() -> list[Patch]:
     return [
+        *(Patch(
+            target=f"deepspeed.runtime.zero.{target}.__init__",
+            wrapper=sequence_parallel_mpu_without_model_parallelism,
+            reason="DeepSpeed < 0.17 under CP: the ZeRO optimizers would take the CP groups for tensor model "
+            "parallelism in the gradient norm (counted on CP rank 0 only: a wrong clip); no model parallelism, as "
+            "0.17+ decide for a sequence-parallel mpu",
+            expects=("mpu",),
+            requires="deepspeed",
+            since="deepspeed<0.17",
+        ) for target in ("stage_1_and_2.DeepSpeedZeroOptimizer", "stage3.DeepSpeedZeroOptimizer_Stage3")),
         Patch(
             target="deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3."
             "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
             wrapper=cp_zero3_avg_scatter_grads,
             reason="under CP: ZeRO-3's reduce-scatter averages gradients over all W ranks, ignoring the "
             "sequence-parallel size its other reduction paths divide by; multiply by P so it sums over CP",
-            expects=("params_to_reduce", "communication_data_type"),
+            expects=("params_to_reduce",),
             mirrors=ZERO3_AVG_SCATTER_GRADS,
             requires="deepspeed",
         ),

@@ -36,6 +36,9 @@ from ..supported import find_supported_model
 logger = logging.getLogger("vlmcp_patch")
 
 KNOWN_BACKENDS = {"sp": ("deepspeed",), "cp": ("torch",)}
+# The backend of a ParallelismConfig that has no `<kind>_backend` field: Accelerate < 1.12 has `cp_size` (torch's ring
+# attention) and no `cp_backend`, nor any `sp_*` field.
+UNNAMED_BACKEND = {"sp": None, "cp": "torch"}
 
 
 def requested_cp(pc) -> tuple[str, int] | None:
@@ -46,7 +49,7 @@ def requested_cp(pc) -> tuple[str, int] | None:
     for kind in ("sp", "cp"):
         size = getattr(pc, f"{kind}_size", 1) or 1
         if size > 1:
-            backend = getattr(pc, f"{kind}_backend", None)
+            backend = getattr(pc, f"{kind}_backend", UNNAMED_BACKEND[kind])
             if backend not in KNOWN_BACKENDS[kind]:
                 raise UnsupportedSetupError(
                     f"ParallelismConfig({kind}_backend={backend!r}, {kind}_size={size}) is not routed by this "

@@ -7,11 +7,15 @@ from ..errors import UnsupportedSetupError
 from ..forward.refusals import check_model_config
 from ..patching import PATCHES, cp_size
 from ..supported import find_supported_model, unsupported_model_message
+from .releases import check_release
 
 
 def require_integration(package: str) -> None:
     """Under CP, refuse an integration whose patches did not verify on the installed `package` (a newer release
-    whose pinned source changed): CP would otherwise train wrongly there. No-op at P=1 or when all verified."""
+    whose pinned source changed), or a release older than the oldest checked (`releases.OLDEST`): CP would otherwise
+    train wrongly there. No-op at P=1 or when all verified."""
+    if cp_requested():
+        check_release(package)  # older than the oldest checked
     refusals = PATCHES.refusals(package)
     if refusals and cp_requested():
         raise UnsupportedSetupError(
@@ -32,5 +36,7 @@ def check_cp_setup(model) -> None:
     found = find_supported_model(model)
     if found is None:
         raise UnsupportedSetupError(unsupported_model_message(type(model).__name__, cp_size()))
+    if type(model).__module__.startswith("peft.") or hasattr(model, "peft_config"):
+        check_release("peft")
     check_model_config(found.config.get_text_config(), cp_size())
     get_cp_group()  # torch.distributed is up and P divides the world size

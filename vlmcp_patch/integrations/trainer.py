@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import inspect
 
-from ..distributed import cp_running
+from ..distributed import cp_requested, cp_running
 from ..flags import FULL_LOGITS, scoped
 from ..patching import Patch, cp_size
 from .accelerate import one_copy_per_cp_group_gathers
 from .parallelism_config import take_over_trainer_config
+from .releases import check_trl_trainer, trl_trainer_name
 from .setup import check_cp_setup, require_integration
 
 
 def _required_integrations(trainer) -> list[str]:
     """The optional stacks whose patches this Trainer's CP run relies on."""
     needed = ["accelerate"]
-    if type(trainer).__module__.startswith("trl."):
+    if trl_trainer_name(trainer) is not None:  # a TRL trainer, or a script's subclass of one
         needed.append("trl")
     if getattr(trainer.args, "deepspeed", None):
         needed.append("deepspeed")
@@ -37,6 +38,8 @@ def cp_create_accelerator(wrapped, instance, args, kwargs):
     for package in _required_integrations(instance):
         require_integration(package)
     take_over_trainer_config(instance)
+    if cp_requested():
+        check_trl_trainer(instance)  # a TRL trainer this TRL release does not train exactly under CP
     result = wrapped(*args, **kwargs)
     check_cp_setup(instance.model)
     return result

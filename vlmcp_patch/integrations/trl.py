@@ -23,15 +23,18 @@ import types
 
 import torch
 
-from ..flags import BYPASS
+from ..distributed import cp_running
+from ..flags import BYPASS, FULL_LOGITS, scoped
 from ..forward.arguments import call_arguments
 from ..forward.top_level import enter_cp_forward
 from ..loss import IGNORE_INDEX
 from ..patching import Patch
 
 # Digest of trl 1.16's `add_fused_lm_head` (the forward it installs included): the wrapper relies on that
-# forward's `shift_labels` path and on its per-token output fields; a different digest needs a re-check.
+# forward's `shift_labels` path and on its per-token output fields; a different digest needs a re-check (1.15's
+# differs: refused). TRL has the fused head from 1.15 on; before, its trainers take logits from the model's forward.
 FUSED_LM_HEAD = {"422d009f04b66659": "trl>=1.16,<1.17"}
+FUSED_LM_HEAD_SINCE = "trl>=1.15"
 
 # The per-token fields of TRL's `FusedCausalLMOutput`.
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
@@ -100,6 +103,14 @@ def cp_add_fused_lm_head(wrapped, instance, args, kwargs):
     return result
 
 
+def full_logits_for_metrics(wrapped, instance, args, kwargs):
+    """TRL < 1.15's SFTTrainer: its loss comes from the model's forward (the CP one), and its entropy and token
+    accuracy from `outputs.logits`, which the CP forward builds with labels only on request: ask for them (the full
+    sequence's, gathered over the group — what the forward returns at P=1)."""
+    with scoped(FULL_LOGITS, cp_running()):
+        return wrapped(*args, **kwargs)
+
+
 TRAINERS = ("sft", "grpo", "rloo", "dpo", "kto")
 
 
@@ -113,6 +124,17 @@ def patches() -> list[Patch]:
             expects=("model", "outputs"),
             mirrors=FUSED_LM_HEAD,
             requires="trl",
+            since=FUSED_LM_HEAD_SINCE,
         )
         for trainer in TRAINERS
+    ] + [
+        Patch(
+            target="trl.trainer.sft_trainer.SFTTrainer.compute_loss",
+            wrapper=full_logits_for_metrics,
+            reason="TRL < 1.15, under CP: SFTTrainer logs entropy and token accuracy from the forward's logits; the "
+            "CP forward returns them with labels on request (gathered, as at P=1)",
+            expects=("model", "inputs"),
+            requires="trl",
+            since="trl<1.15",
+        ),
     ]

@@ -40,6 +40,9 @@ from .accelerate import one_copy_per_cp_group, one_copy_per_cp_group_gathers
 from .parallelism_config import requested_cp, without_cp
 
 RL_TRAINERS = {"grpo": "GRPO", "rloo": "RLOO"}
+# The TRL releases these patches were checked on, and apply to; under CP older ones refuse the RL trainers before the
+# first step (integrations/releases.py, `TRL_TRAINERS`).
+RL_SINCE = "trl>=1.16"
 # Digests of TRL 1.16's GRPOConfig / RLOOConfig `__post_init__`, whose generation-batch arithmetic
 # `_size_for_replicas` redoes with the W/P replicas (a different digest: re-check that arithmetic).
 CONFIG_POST_INIT = {
@@ -237,41 +240,41 @@ def patches() -> list:
                       requires="accelerate"),
         Patch("trl.generation.vllm_generation.gather_object", gather_objects_per_replica,
               "vLLM server rollouts under CP: one copy of each prompt per CP group reaches the engine",
-              expects=("object",), requires="trl"),
+              expects=("object",), requires="trl", since=RL_SINCE),
         Patch("trl.generation.vllm_generation.VLLMGeneration.generate", colocated_engine_of_group_leader,
               "vLLM colocate rollouts under CP: only the group's first rank's engine generates, the group receives it",
-              expects=("prompts", "images", "num_generations"), requires="trl"),
+              expects=("prompts", "images", "num_generations"), requires="trl", since=RL_SINCE),
     ]
     for module, name in RL_TRAINERS.items():
         trainer = f"trl.trainer.{module}_trainer.{name}Trainer"
         out += [
             Patch(f"trl.trainer.{module}_config.{name}Config.__post_init__", rl_config_post_init,
                   "under CP: the generation batch of W/P replicas; Accelerate's cp/sp switches routed to CP",
-                  mirrors=CONFIG_POST_INIT[module], requires="trl"),
+                  mirrors=CONFIG_POST_INIT[module], requires="trl", since=RL_SINCE),
             Patch(f"trl.trainer.{module}_trainer.set_seed", seed_per_replica,
                   "under CP: per-device seeds per replica, so the ranks of a group share their random state",
-                  expects=("seed", "device_specific"), requires="trl"),
+                  expects=("seed", "device_specific"), requires="trl", since=RL_SINCE),
             Patch(f"trl.trainer.{module}_trainer.gather", gather_per_replica,
                   "inside the replica view: one copy per CP group of rewards, token counts and metrics",
-                  expects=("tensor",), requires="trl"),
+                  expects=("tensor",), requires="trl", since=RL_SINCE),
             Patch(f"trl.trainer.{module}_trainer.gather_object", gather_objects_per_replica,
                   "inside the replica view: one copy per CP group of prompts, completions and logged text",
-                  expects=("object",), requires="trl"),
+                  expects=("object",), requires="trl", since=RL_SINCE),
             Patch(f"{trainer}._prepare_inputs", within_replica_view,
                   "under CP: the group builds its generation batch as one data-parallel process",
-                  expects=("generation_batch",), requires="trl"),
+                  expects=("generation_batch",), requires="trl", since=RL_SINCE),
             Patch(f"{trainer}.compute_loss", within_replica_view,
                   "under CP: the loss's normalisers and metrics count replicas, not ranks",
-                  expects=("model", "inputs"), requires="trl"),
+                  expects=("model", "inputs"), requires="trl", since=RL_SINCE),
             Patch(f"{trainer}._generate_single_turn", generated_for_the_group,
                   "under CP: the group's completions are its first rank's (or each rank generates its share)",
-                  expects=("prompt_ids", "images", "multimodal_fields"), requires="trl"),
+                  expects=("prompt_ids", "images", "multimodal_fields"), requires="trl", since=RL_SINCE),
             Patch(f"{trainer}._calculate_rewards", kept_from_group_leader,
                   "under CP: rewards computed once per group (the first rank's kept)",
-                  expects=("inputs", "prompts", "completions"), requires="trl"),
+                  expects=("inputs", "prompts", "completions"), requires="trl", since=RL_SINCE),
             Patch(f"{trainer}._generate_and_score_completions", random_state_of_group_leader,
                   "under CP: the group shuffles its batch from one random state",
-                  expects=("inputs",), requires="trl"),
+                  expects=("inputs",), requires="trl", since=RL_SINCE),
         ]
     return out
 
