@@ -78,6 +78,25 @@ def _packed_row():
     return row
 
 
+def test_a_packed_row_without_token_types_where_the_release_reads_the_placeholders():
+    """A release whose models take no `mm_token_type_ids` (5.2: `get_rope_index` finds the images from the
+    placeholder tokens) takes a packed multimodal row without them: the same loss and logits as with them. (Where the
+    models take them, stock refuses a multimodal row without them, and so does the package: its error propagates.)"""
+    import inspect
+
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+
+    model = build_model(tiny_qwen3_vl_config())
+    if "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters:
+        pytest.skip("this release's models take mm_token_type_ids (stock refuses images without them)")
+    row = _packed_row()
+    for inputs in (row, {k: v for k, v in row.items() if k != "labels"}):  # the loss; the logits (no labels)
+        with_types = model(**inputs)
+        without = model(**{k: v for k, v in inputs.items() if k != "mm_token_type_ids"})
+        key = "loss" if "labels" in inputs else "logits"
+        assert torch.equal(with_types[key], without[key]), key
+
+
 def test_inconsistent_packed_row_raises_at_p1():
     import vlmcp_patch
     from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config

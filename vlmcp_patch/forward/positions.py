@@ -65,9 +65,19 @@ def _frames(video_grid_thw: torch.Tensor) -> torch.Tensor:
     return frames
 
 
+def placeholder_token_types(config, input_ids: torch.Tensor) -> torch.Tensor:
+    """The token types (1: image, 2: video, else 0) of a row given without `mm_token_type_ids`, read from its
+    placeholder tokens as the releases whose models take no token types find the items (5.2); the processor's types
+    say the same."""
+    return (input_ids == config.image_token_id).long() + 2 * (input_ids == config.video_token_id).long()
+
+
 def _mrope_of_samples(multimodal, call: dict, segments: list[Segment]) -> torch.Tensor:
-    """(3, 1, S): each sample's 3D mRoPE computed alone by the model's own `get_rope_index`."""
-    input_ids, types = call["input_ids"], call["mm_token_type_ids"]
+    """(3, 1, S): each sample's 3D mRoPE computed alone by the model's own `get_rope_index`. Without token types
+    (where stock took the row without them: `per_sample_mrope`) they are read from the placeholder tokens."""
+    input_ids, types = call["input_ids"], call.get("mm_token_type_ids")
+    if types is None:
+        types = placeholder_token_types(multimodal.config, input_ids)
     images = iter(call["image_grid_thw"]) if call.get("image_grid_thw") is not None else iter(())
     frames = iter(_frames(call["video_grid_thw"])) if call.get("video_grid_thw") is not None else iter(())
     pieces = []
