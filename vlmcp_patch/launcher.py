@@ -44,9 +44,13 @@ class NodeVariables:
     per_node_list: bool = False
 
     def stated_size(self) -> int | None:
-        """The ranks on this process's node, as this launcher's size variable says; None where it does not say."""
+        """The ranks on this process's node, as this launcher's size variable says; None where it does not say (a
+        per-node list where the launcher also states the count alone: that one speaks for it)."""
         if not self.per_node_list:
             return _number(self.size)
+        if any(v.launcher == self.launcher and not v.per_node_list and _number(v.size) is not None
+               for v in NODE_SOURCES):
+            return None
         counts = _tasks_per_node(os.environ.get(self.size, ""))
         node = _number(self.node)
         if counts is None:
