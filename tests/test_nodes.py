@@ -249,7 +249,7 @@ def test_two_nodes_on_one_host_keep_the_all_to_all_inside_a_node_and_equal_stock
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("launcher", ["deepspeed", "slurm", "openmpi", "mpich", "none"])
+@pytest.mark.parametrize("launcher", ["deepspeed", "slurm", "srun", "openmpi", "mpich", "none"])
 def test_two_nodes_with_each_launchers_variables_lay_out_as_under_torchrun(launcher, tmp_path):
     """The same two-node run, each rank holding only another launcher's node variables (`launcher_envs`): the same
     layout and exactness as torchrun's. `none`: no node variable, each node's ranks report a host name of their own
@@ -258,7 +258,7 @@ def test_two_nodes_with_each_launchers_variables_lay_out_as_under_torchrun(launc
     results = sorted(launch_two_nodes(tmp_path, env={"VLMCP_TEST_LAUNCHER": launcher}), key=lambda r: r["rank"])
     _assert_two_node_layout(results, None)
     source = {"deepspeed": "LOCAL_SIZE (the deepspeed launcher)", "slurm": "SLURM_NTASKS_PER_NODE (SLURM)",
-              "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE (Open MPI)", "mpich": "MPI_LOCALNRANKS (MPICH)",
+              "srun": "SLURM_TASKS_PER_NODE (SLURM)", "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE (Open MPI)", "mpich": "MPI_LOCALNRANKS (MPICH)",
               "none": "the ranks' host names"}[launcher]
     assert {r["node_source"] for r in results} == {source}
 
