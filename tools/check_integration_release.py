@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
-import os
 import subprocess
 import sys
 import tarfile
@@ -30,26 +29,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from check_release import digest, parameters
+from check_release import digest, parameters, records_applying
 
 PACKAGES = ("accelerate", "deepspeed", "peft", "trl")
 
 
 def patch_records(package: str, version: str) -> list:
-    """The records of `package`'s targets that apply to `version`; the package is imported with VLMCP_DISABLE=1 (the
-    records only, nothing patched) and the variable put back."""
-    previous = os.environ.get("VLMCP_DISABLE")
-    os.environ["VLMCP_DISABLE"] = "1"
-    try:
-        import vlmcp_patch
-        from vlmcp_patch.patching import applies_here
-    finally:
-        if previous is None:
-            os.environ.pop("VLMCP_DISABLE")
-        else:
-            os.environ["VLMCP_DISABLE"] = previous
-    return [p for p in vlmcp_patch.PATCHES.patches if getattr(p, "requires", None) == package
-            and p.target.startswith(f"{package}.") and applies_here(p, version)]
+    """The records of `package`'s targets that apply to `version` (`check_release.records_applying`)."""
+    return records_applying(version, f"{package}.", requires=package)
 
 
 def archive(package: str, version: str, directory: Path) -> Path:

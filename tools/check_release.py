@@ -34,10 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def patch_records(version: str) -> list:
-    """The package's patch records of transformers targets that apply to `version` (`Patch.since`). The package is
-    imported with VLMCP_DISABLE=1 (the records only: nothing is patched) unless it already was; the variable is put
-    back, so the processes a caller starts later see the environment it had."""
+def records_applying(version: str, prefix: str, requires: str | None = None) -> list:
+    """The package's patch records of targets under `prefix` (and, given, with `requires`) that apply to `version`
+    (`Patch.since`). The package is imported with VLMCP_DISABLE=1 (the records only: nothing is patched) unless it
+    already was; the variable is put back, so the processes a caller starts later see the environment it had."""
     previous = os.environ.get("VLMCP_DISABLE")
     os.environ["VLMCP_DISABLE"] = "1"
     try:
@@ -48,8 +48,13 @@ def patch_records(version: str) -> list:
             os.environ.pop("VLMCP_DISABLE")
         else:
             os.environ["VLMCP_DISABLE"] = previous
-    return [p for p in vlmcp_patch.PATCHES.patches if isinstance(p, Patch) and p.target.startswith("transformers.")
-            and applies_here(p, version)]
+    return [p for p in vlmcp_patch.PATCHES.patches if isinstance(p, Patch) and p.target.startswith(prefix)
+            and (requires is None or p.requires == requires) and applies_here(p, version)]
+
+
+def patch_records(version: str) -> list:
+    """The records of transformers targets that apply to `version` (`records_applying`)."""
+    return records_applying(version, "transformers.")
 
 
 def newest_checked() -> str:
