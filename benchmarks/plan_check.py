@@ -99,9 +99,12 @@ def predicted_peak(point: dict, constants: Constants, cache: dict) -> float:
 
 def fit(points: list[dict], cache: dict) -> Constants:
     """Constants that minimise the squared relative error at P = 1 (coordinate search; three per checkpointing mode:
-    attention, DeltaNet and vision, without checkpointing on the saved activations, with it on the working set)."""
+    attention, DeltaNet and vision, without checkpointing on the saved activations, with it on the working set).
+    Each constant is scanned on a grid first, then refined by golden section around the best grid point: a working
+    set below the head's chunk leaves the error flat in its constant, and a bare golden section can stop there."""
     base = [p for p in points if p["P"] == 1]
     constants = Constants()
+    grid = [0.05 * (8.0 / 0.05) ** (i / 199) for i in range(200)]
     for gc, names in ((False, ("attention", "deltanet", "vision")),
                       (True, ("attention_work", "deltanet_work", "vision_work"))):
         mine = [p for p in base if p["gc"] == gc]
@@ -111,12 +114,14 @@ def fit(points: list[dict], cache: dict) -> Constants:
 
         for _ in range(6):
             for name in names:
-                low, high = 0.05, 8.0
-                for _ in range(40):  # golden-section search of one constant, the others fixed
+                def at(value, name=name, fixed=constants):
+                    return loss(Constants(**{**fixed.__dict__, name: value}))
+
+                best = min(range(len(grid)), key=lambda i: at(grid[i]))
+                low, high = grid[max(0, best - 1)], grid[min(len(grid) - 1, best + 1)]
+                for _ in range(30):  # golden-section search of one constant, the others fixed
                     a, b = low + 0.382 * (high - low), low + 0.618 * (high - low)
-                    la = loss(Constants(**{**constants.__dict__, name: a}))
-                    lb = loss(Constants(**{**constants.__dict__, name: b}))
-                    low, high = (low, b) if la <= lb else (a, high)
+                    low, high = (low, b) if at(a) <= at(b) else (a, high)
                 constants = Constants(**{**constants.__dict__, name: (low + high) / 2})
     return constants
 

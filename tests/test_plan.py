@@ -62,16 +62,17 @@ OFFLOAD_MEASURED = json.loads((ROOT / "benchmarks" / "data" / "plan_offload.json
 
 def measured_12_layer_row(setup: str) -> list[tuple[int, dict, planning.Memory]]:
     """(P, the measured point, the predicted memory) for benchmarks.memory's 12-layer image-heavy row (8,192 tokens,
-    widths / 16, fp32): "today" is untiled with the checkpoints on the device, "offload+tiles" the issue 42 switches."""
+    widths / 16, fp32): "today" is untiled with the checkpoints on the device, "offload+tiles" the checkpoint offload
+    and the MLPs in tiles (the tower untiled: measured before it could tile), "offload+all tiles" the defaults with
+    offload (the tower in tiles where a rank's share makes two: at P = 2)."""
     from benchmarks.plan_check import benchmark_dims, benchmark_row
 
     m = OFFLOAD_MEASURED
     dims = benchmark_dims(m["model"], m["layers"])
     row, pixels = benchmark_row(m["sample"], m["tokens"], dims.patch)
-    on = setup == "offload+tiles"
-    # measured before the vision tower ran in tiles: priced untiled
+    on = setup != "today"
     training = Training(sharding="none", bytes_per_value=4, attention="sdpa", tiled_mlp=on, offload_checkpoints=on,
-                        tiled_vision=False)
+                        tiled_vision=setup == "offload+all tiles")
     out = []
     for point in (p for p in m["points"] if p["setup"] == setup):
         size = point["P"]
@@ -89,25 +90,25 @@ def test_the_12_layer_row_today_is_predicted_within_5_percent():
         assert memory.total / 2**20 == pytest.approx(point["device"], rel=0.05), size
 
 
-def test_the_host_pool_with_offload_is_predicted_within_10_percent():
+@pytest.mark.parametrize("setup", ["offload+tiles", "offload+all tiles"])
+def test_the_host_pool_with_offload_is_predicted_within_10_percent(setup):
     """The checkpoint offload's host pool, measured 65.0 / 34.0 / 17.0 MiB (buffers in whole MiB): every layer
-    input but the last one's and every vision block's."""
-    for size, point, memory in measured_12_layer_row("offload+tiles"):
+    input but the last one's and every vision block's; 22.0 at P = 2 with the tower in tiles (no block inputs)."""
+    for size, point, memory in measured_12_layer_row(setup):
         assert memory.host / 2**20 == pytest.approx(point["host"], rel=0.10), size
 
 
-def test_the_device_peak_with_offload_and_tiles_at_p1():
-    """At P = 1 (no tiles: CP is off) the measured 299.4 MiB is predicted within 5 %."""
-    size, point, memory = measured_12_layer_row("offload+tiles")[0]
-    assert size == 1 and memory.total / 2**20 == pytest.approx(point["device"], rel=0.05)
-
-
-@pytest.mark.xfail(strict=True, reason="predicted 103 / 53 MiB against 150.2 / 76.1 measured at P = 2, 4: the "
-                   "measured peak is at the head (docs/memory.md of issue 42), where about one more logits chunk is "
-                   "alive than this model prices; not explained yet")
-def test_the_device_peak_with_offload_and_tiles_under_cp():
-    for size, point, memory in measured_12_layer_row("offload+tiles")[1:]:
+@pytest.mark.parametrize("setup", ["offload+tiles", "offload+all tiles"])
+def test_the_device_peak_with_offload_and_tiles_is_predicted_within_10_percent(setup):
+    """Measured 299.4 / 150.2 / 76.1 MiB (the tower untiled) and 299.4 / 99.2 / 76.1 (in tiles at P = 2). The peak
+    under CP is at the head at the end of the forward, with the untiled tower's mergers' activations alive (they
+    are not checkpointed) and the final norm's input and output: priced since, the P = 2 and 4 predictions went from
+    -32 % / -31 % to within 10 %."""
+    predicted = {size: memory.total for size, _, memory in measured_12_layer_row("offload+tiles")}
+    for size, point, memory in measured_12_layer_row(setup):
         assert memory.total / 2**20 == pytest.approx(point["device"], rel=0.10), size
+        if setup == "offload+all tiles" and size == 2:  # the tower's tiles priced: below the untiled prediction
+            assert memory.total < 0.75 * predicted[size]
 
 
 def _alst_param(name):
@@ -300,20 +301,19 @@ def test_the_host_pool_with_and_without_vision_tiles_is_predicted_within_10_perc
             assert memory.host / 2**20 == pytest.approx(point["host"], rel=0.10), point
 
 
-def test_the_device_peak_with_vision_tiles_is_predicted_within_15_percent():
-    """Measured 210.5 MiB (198.5 with offload) against 321.0 (302.2) untiled; predicted lower by 13 % and 12 %, and
+def test_the_device_peak_with_vision_tiles_is_predicted_within_10_percent():
+    """Measured 210.5 MiB (198.5 with offload) against 321.0 (302.2) untiled; predicted lower by 10 % and 8 %, and
     lower than the prediction untiled."""
     predicted = {(p["offload"], p["vision_tiles"]): (p, m) for p, m in measured_video_row()}
     for offload in (False, True):
         point, memory = predicted[offload, True]
-        assert memory.total / 2**20 == pytest.approx(point["device"], rel=0.15), point
+        assert memory.total / 2**20 == pytest.approx(point["device"], rel=0.10), point
         assert memory.total < predicted[offload, False][1].total
 
 
-@pytest.mark.xfail(strict=True, reason="predicted 237 / 208 MiB against 321.0 / 302.2 measured: on this video row "
-                   "(16 temporal groups of 192 patches per item) the untiled tower's recomputed block takes more than "
-                   "the constants fitted on image rows price; not explained yet")
 def test_the_device_peak_of_the_video_row_untiled():
+    """Measured 321.0 / 302.2 MiB (with offload); predicted 8 % and 7 % lower. Before the untiled tower's mergers
+    were priced (their activations, 13 tower widths per patch here, stay to the end of the step), 26 % and 31 %."""
     for point, memory in measured_video_row():
         if not point["vision_tiles"]:
-            assert memory.total / 2**20 == pytest.approx(point["device"], rel=0.15), point
+            assert memory.total / 2**20 == pytest.approx(point["device"], rel=0.10), point

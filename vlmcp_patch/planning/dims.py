@@ -36,6 +36,9 @@ class ModelDims:
     temporal_patch: int = 2
     merge: int = 2
     deepstack: int = 0  # Qwen3-VL's deepstack mergers
+    # distinct block outputs the mergers read (the last block's and the deepstack levels'); 0: 1 + deepstack (the
+    # released models tap blocks other than the last)
+    vision_taps: int = 0
     attention_gate: bool = False  # Qwen3.5 (`attn_output_gate`): q_proj also makes a gate of H x D per token
 
     @property
@@ -67,6 +70,10 @@ class ModelDims:
         block = 4 * w * w + 2 * w * i
         merger = (4 * w) * (4 * w) + (4 * w) * self.hidden
         return self.vision_depth * block + (1 + self.deepstack) * merger + 3 * self.temporal_patch * self.patch**2 * w
+
+    @property
+    def merger_inputs(self) -> int:
+        return self.vision_taps or 1 + self.deepstack
 
     def params(self) -> int:
         """All parameters (the vision tower's included)."""
@@ -123,6 +130,7 @@ def dims_from_config(config, name: str = "config") -> ModelDims:
         vision_intermediate=vision.get("intermediate_size", 0), vision_heads=vision.get("num_heads", 0),
         patch=vision.get("patch_size", 16), temporal_patch=vision.get("temporal_patch_size", 2),
         merge=vision.get("spatial_merge_size", 2), deepstack=len(vision.get("deepstack_visual_indexes") or []),
+        vision_taps=len({*(vision.get("deepstack_visual_indexes") or []), vision.get("depth", 0) - 1}) if vision else 0,
         attention_gate=has_output_gate(as_dict, text))
 
 

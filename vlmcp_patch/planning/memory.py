@@ -65,10 +65,18 @@ def deltanet_rule_elements(d: ModelDims, ulysses: int) -> float:
 
 def vision_elements(d: ModelDims) -> float:
     """Saved per patch by one vision block: norms (4w), qkv (3w), the attention kernel's q, k, v, output (4w), the
-    projection's input (w), the MLP's input, hidden, activation (w + 2 I_v); the merger's share is per merged
-    token and counted with the deepstack features."""
+    projection's input (w), the MLP's input, hidden, activation (w + 2 I_v); the mergers' in `merger_elements`."""
     w = d.vision_width
     return 13 * w + 2 * d.vision_intermediate
+
+
+def merger_elements(d: ModelDims) -> float:
+    """Saved per patch by the tower's mergers (the merger and each deepstack merger; none is checkpointed): each one's
+    norm output, first linear's output and activation (4w per merged token each: 3w per patch), and the last block's
+    output, which the merger reads (the other block outputs they read are the next blocks' inputs, counted there)."""
+    if not d.vision_depth:
+        return 0.0
+    return (1 + d.deepstack) * 3 * d.vision_width + d.vision_width
 
 
 def vision_tile(d: ModelDims, t: Training, patches: int, size: int) -> int:
@@ -156,7 +164,7 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     patches = math.ceil(row.patches(d) / size)
     vision_local = math.ceil(row.vision_tokens / size)
     att, dn = attention_elements(d, ulysses), deltanet_elements(d, ulysses) if d.linear_layers else 0.0
-    vis = vision_elements(d) if d.vision_depth else 0.0
+    vis, mergers = (vision_elements(d), merger_elements(d)) if d.vision_depth else (0.0, 0.0)
     tiled = t.tiled_mlp and size > 1
     if tiled:  # the MLPs' intermediates (4 I per token, 2 I_v per patch) are kept per tile, or not at all
         keep = mlp_share(local, d.hidden, 4 * d.intermediate, tiled) if t.gradient_checkpointing else 0.0
@@ -172,16 +180,17 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     # checkpointing is off inside a tile), its MLPs in their own tiles keeping no intermediates
     tile = vision_tile(d, t, patches, size)
     vis_tile = (vision_elements(d) - (2 * d.vision_intermediate if tiled else 0)) if tile else 0.0
-    tile_work = tile * (d.vision_depth * c.vision * vis_tile + 2 * d.vision_width)
+    tile_work = tile * (c.vision * (d.vision_depth * vis_tile + mergers) + 2 * d.vision_width)
     # DeltaNet across a ring (models/deltanet_ring.py): a chunk continuing a sample runs the delta rule twice more
     # for its transfer (B from a zero state, M from the identity), and autograd keeps both runs' intermediates
     ring_rule = 2 * deltanet_rule_elements(d, ulysses) if (ring > 1 and d.linear_layers) else 0.0
     dn += ring_rule
     attention_x, deltanet_x = exchange_elements(d, t, local, ulysses, ring)
+    final = local * 2 * d.hidden  # the final norm's input and output, kept for its backward and the head's
     m = Memory()
     if not t.gradient_checkpointing:
         m.activations = b * local * (d.full_layers * c.attention * att + d.linear_layers * c.deltanet * dn)
-        m.activations += b * ((0 if tile else patches * d.vision_depth * c.vision * vis) + features)
+        m.activations += b * ((0 if tile else patches * c.vision * (d.vision_depth * vis + mergers)) + features + final)
         m.exchange = b * max(attention_x, deltanet_x)  # transient, one layer's at a time
         m.working = b * tile_work  # a vision tile recomputed in backward (the exchanges are not running then)
     else:
@@ -191,7 +200,12 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
             stay = b * local * d.hidden * min(2, d.layers)
             m.host = decoder - b * local * d.hidden + vision  # the pool: every input but the last layer's
             decoder, vision = stay, 0.0
-        m.activations = decoder + vision + b * features
+        # the untiled tower's mergers keep their activations to the end of the step (they are not checkpointed),
+        # and with them the block outputs they read, on the device even when the blocks' inputs are offloaded
+        if not tile:
+            taps = (d.merger_inputs - 1) * d.vision_width if t.offload_checkpoints else 0.0
+            vision += b * patches * (c.vision * mergers + taps)
+        m.activations = decoder + vision + b * (features + final)
         # one layer is recomputed at a time: its activations, the gradient flowing through it (2 hidden states)
         # and its own exchange buffers — the largest of the layer kinds and the vision block
         gradient = 2 * d.hidden

@@ -53,5 +53,5 @@ class Constants:
 # Fitted by `python -m benchmarks.plan_check --fit` on this repository's CPU runs (fp32, torch's sdpa and its
 # pure-torch delta rule; docs/plan.md "checked against measurements"). The DeltaNet ones carry the torch fallback's
 # intermediates: with flash-linear-attention's kernels on a GPU they overestimate.
-CALIBRATED = Constants(attention=1.154, deltanet=2.308, vision=1.122, attention_work=1.790, deltanet_work=2.491,
-                       vision_work=1.830)
+CALIBRATED = Constants(attention=1.094, deltanet=2.369, vision=0.956, attention_work=1.638, deltanet_work=2.414,
+                       vision_work=1.177)
