@@ -34,6 +34,7 @@ from .errors import (  # noqa: E402
 from .forward.generate import GENERATE_PATCH  # noqa: E402
 from .integrations import accelerate as _accelerate  # noqa: E402
 from .integrations import deepspeed as _deepspeed  # noqa: E402
+from .integrations import input_grads as _input_grads  # noqa: E402
 from .integrations import parallelism_config as _parallelism_config  # noqa: E402
 from .integrations import placement as _placement  # noqa: E402
 from .integrations import trainer as _trainer  # noqa: E402
@@ -57,6 +58,7 @@ PATCHES.add(
     *_vision_placeholder.patches(),
     *_accelerate.patches(),
     *_deepspeed.patches(),
+    *_input_grads.patches(),
     *_parallelism_config.patches(),
     *_placement.patches(),
     *_trainer.patches(),
