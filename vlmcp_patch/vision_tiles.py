@@ -21,12 +21,16 @@ ZeRO-3: under CP with tiling on the DeepSpeed integration makes the tower a ZeRO
 registers its hooks (`gather_whole_towers_under_zero3`): its weights are gathered whole once per tower call, in
 forward and again in backward (when the features' gradient reaches the call's output), and its children get no
 hooks — a rank's tiles start no gathers, whatever their number. DeepSpeed reduces a leaf's gradients in the leaf's
-full backward hook, which fires when the gradients of the call's inputs are computed — or, when no input requires
-one (pixels do not), as soon as the output's gradient arrives, before the weights' gradients exist. So every
+full backward hook, once per call, assuming one reduction per parameter and backward; torch fires that hook when the
+gradients of the call's inputs are computed — with no input requiring one (pixels do not), as soon as the output's
+gradient arrives, before the weights' gradients exist — and only for a call whose output it can see. So every
 gradient-enabled call of a leaf tower gets an anchor (`forward/vision.tower_call`): an empty positional input that
 requires a gradient, fed into this function (or, untiled, tied to the pixels: the patch embedding then computes the
-pixels' gradient too, a transient the size of the call's pixels); its gradient, and with it the hook, comes after
-every weight's. The plan counts the gathered tower beside a tile's recompute (`planning.memory`).
+pixels' gradient too, a transient the size of the call's pixels), whose gradient comes with or after every weight's;
+and of the tower's calls in one CP forward (images, videos) only the first is seen by torch's hooks, the later ones'
+anchors deriving from its anchor, so one reduction runs, after every call's backward. (A DeepSpeed that reduced a
+leaf's parameters at their accumulation instead would see one summed gradient per parameter as well.) The plan
+counts the gathered tower beside a tile's recompute (`planning.memory`).
 
 A tower whose parameters ZeRO-3 gathers module by module (not a leaf: tiling was off at `deepspeed.initialize`) or
 FSDP2 shards per module runs untiled: its gathers would follow each rank's own number of tiles (different collectives
