@@ -14,7 +14,7 @@ from ..forward.vision import cp_image_features, cp_video_features, tower_call, t
 from ..offload import offloaded_checkpoint_call
 from ..patching import Patch, source_digest
 from ..supported import Family
-from ..tiles import DENSE_MLP_CLASSES, tiled_experts_forward, tiled_mlp
+from ..tiles import DENSE_MLP_CLASSES, VISION_MLP_CLASSES, tiled_experts_forward, tiled_mlp
 from ..vision_tiles import VISION_TOWER_CLASSES
 
 TOP_LEVEL_PARAMS = ("input_ids", "attention_mask", "position_ids", CACHE_KEYWORDS, "labels", "logits_to_keep")
@@ -81,6 +81,7 @@ _TILES_REASON = ("under CP: the MLP runs over sequence tiles of the rank's slice
 def mlp_patches(family: Family, mlps: MLPs) -> list[Patch]:
     """The tiled-MLP patches of `family`'s MLP classes (`tiles.py`)."""
     DENSE_MLP_CLASSES.update(mlps.gated + mlps.vision)
+    VISION_MLP_CLASSES.update(mlps.vision)
     dense = [(cls, tiled_mlp(intermediates=4), (MLP_INPUT,)) for cls in mlps.gated]
     dense += [(cls, tiled_mlp(intermediates=2), (MLP_INPUT,)) for cls in mlps.vision]  # fc1, activation
     experts = [(cls, tiled_experts_forward, EXPERTS_PARAMS) for cls in mlps.experts]
