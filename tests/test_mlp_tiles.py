@@ -105,3 +105,22 @@ def test_a_zero3_mlp_gathering_child_by_child_runs_untiled_unless_it_is_a_leaf()
     assert _zero3_gathers_per_child_call(mlp)
     gather_whole_mlps_under_zero3(torch.nn.Sequential(mlp))
     assert mlp._z3_leaf and not _zero3_gathers_per_child_call(mlp)
+
+
+def test_zero3_leaves_the_vision_mlps_to_their_tower():
+    """The vision blocks' MLPs are no ZeRO-3 leaves (the tower runs once per modality: a leaf would be reduced twice
+    per backward); inside a leaf tower (their weights carry it) they tile, in a tower gathered module by module not."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionMLP
+
+    from vlmcp_patch.fixtures.models import tiny_qwen3_vl_config
+    from vlmcp_patch.tiles import _zero3_gathers_per_child_call, gather_whole_mlps_under_zero3
+
+    mlp = Qwen3VLVisionMLP(tiny_qwen3_vl_config().vision_config)
+    for i, p in enumerate(mlp.parameters()):
+        p.ds_id = i
+    gather_whole_mlps_under_zero3(torch.nn.Sequential(mlp))
+    assert not getattr(mlp, "_z3_leaf", False) and _zero3_gathers_per_child_call(mlp)
+    tower = torch.nn.Sequential(mlp)
+    for p in mlp.parameters():
+        p.ds_z3_leaf_module = tower  # as ZeRO-3 marks the weights of a leaf's modules
+    assert not _zero3_gathers_per_child_call(mlp)

@@ -317,3 +317,20 @@ def test_the_device_peak_of_the_video_row_untiled():
     for point, memory in measured_video_row():
         if not point["vision_tiles"]:
             assert memory.total / 2**20 == pytest.approx(point["device"], rel=0.10), point
+
+
+def test_zero3_prices_the_vision_tower_in_tiles_with_the_whole_tower_gathered():
+    """ZeRO-3 tiles the tower (a leaf module, gathered whole once per call): priced in tiles, the gathered tower's
+    weights beside a tile's recompute; FSDP2 prices it untiled; ZeRO-3's tiled peak is below its untiled one."""
+    from vlmcp_patch.planning.memory import vision_tile, vision_tower_gathered
+
+    dims, patches = MODELS["qwen3-vl-8b"], 1_000_000
+    tiled = {s: vision_tile(dims, Training(sharding=s), patches, 8) for s in ("zero2", "zero3", "fsdp")}
+    assert tiled["zero3"] == tiled["zero2"] > 0 and tiled["fsdp"] == 0
+    assert vision_tower_gathered(dims, Training(sharding="zero3"), True) == dims.vision_params() > 0
+    assert vision_tower_gathered(dims, Training(sharding="zero2"), True) == 0
+    assert vision_tower_gathered(dims, Training(sharding="zero3"), False) == 0
+    row = Row.video(524288)
+    peak = {v: plan("qwen3-vl-8b", row, sizes=[8], all_layouts=False, training=Training(tiled_vision=v))[0].peak_gib
+            for v in (True, False)}
+    assert peak[True] < peak[False]

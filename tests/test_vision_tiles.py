@@ -10,6 +10,7 @@ import torch
 from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL
 from tests.helpers.vision_tile_cases import CASES, run_vision_tile_cases
+from tests.helpers.zero3_vision_cases import run_zero3_vision_cases
 from vlmcp_patch.vision_tiles import Tile, plan_tiles, tile_patches
 
 
@@ -38,6 +39,27 @@ def test_tiled_vision_tower_equals_stock(cp_size, once):
             assert len(m["accumulations"]) == 1, (where, m["accumulations"])
         assert per_case[next(iter(per_case))]["tiles"]["backward_tiles"] >= 2, (rank, per_case)
     assert ran > 0
+
+
+def test_zero3_tiles_the_tower_inside_one_gathered_call_like_p1():
+    """DeepSpeed ZeRO-3 at P=2 (gloo): the tower a ZeRO-3 leaf, gathered whole once per call, its tiles inside that
+    call — four on rank 0, one on rank 1: different numbers of tiles, the same collectives — and every parameter's
+    full gradient equal to stock's at P=1; the same leaf tower called twice per forward (images, then the video), tiled
+    and untiled, each parameter reduced once; with vision tiling off, a tower gathered module by module (its MLPs no
+    leaves: two calls of a leaf per forward reduced twice) called twice."""
+    pytest.importorskip("deepspeed")
+    results = run_distributed(run_zero3_vision_cases, 2, timeout=600)
+    assert [r["uneven tiles"]["tiles"]["forward_tiles"] for r in results] == [4, 1]
+    for rank, per_case in enumerate(results):
+        for case, m in per_case.items():
+            where = f"{case}, rank {rank}"
+            assert m["leaf"] == (case != "vision tiling off"), where
+            assert abs(m["loss"] - m["ref_loss"]) <= TOL * abs(m["ref_loss"]), where
+            assert m["grad_err"] <= TOL, (where, m["worst"], m["grad_err"])
+        tiles = per_case["uneven tiles"]["tiles"]
+        assert tiles["calls"] == 1 and tiles["backward_tiles"] == tiles["forward_tiles"], (rank, tiles)
+        assert per_case["tiled and untiled calls"]["tiles"]["calls"] == 1, rank  # the video's call: tiled
+        assert per_case["untiled calls"]["tiles"]["calls"] == 0, rank
 
 
 def test_cp_off_never_tiles(reapply):
@@ -110,10 +132,10 @@ def test_tiles_equal_the_whole_tower_with_pixel_gradients():
     for p in tower.parameters():
         p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
     tiles = plan_tiles(grid.tolist(), budget=3 * 16, merge_unit=4)
-    encode = _TiledOutput(tower, {})
+    encode = _TiledOutput()
     VISION_TILES.drain()
-    tiled = VisionTiles.apply(lambda tile, rows: encode(rows, torch.tensor(tile.grid)), tower, tiles, pixels,
-                              *tower.parameters())
+    tiled = VisionTiles.apply(lambda tile, rows: encode.joined(tower(rows, grid_thw=torch.tensor(tile.grid))), tower,
+                              tiles, pixels, None, *tower.parameters())
     (tiled * weights).sum().backward()
     assert len(tiles) == 3 and VISION_TILES.drain() == {"calls": 1, "forward_tiles": 3, "backward_tiles": 3}
     torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-6)

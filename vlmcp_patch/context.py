@@ -112,6 +112,9 @@ class CPContext:
     # The caller's 1D cumulative-lengths mask of a packed row, as given: a script's own attention layers read it.
     cumulative_lengths: torch.Tensor | None = None
     decoder_entered: bool = False  # set once by the text decoder that takes this forward (`take_for_decoder`)
+    # Per ZeRO-3 leaf vision tower (by id), the anchor of its first call in this forward as that call's hooks passed it
+    # on: the later calls' anchors derive from it (`forward/vision.tower_call`).
+    tower_anchors: dict = field(default_factory=dict)
 
     @property
     def seq_len(self) -> int:

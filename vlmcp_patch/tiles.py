@@ -118,27 +118,42 @@ def run_in_tiles(fn: Callable, tiled: Sequence[torch.Tensor], module: torch.nn.M
     return TokenwiseTiles.apply(fn, tile_bounds(tokens, size), len(tiled), *tiled, *params)
 
 
-# The dense MLP classes the families tile (`models/base.mlp_patches`): their forward calls child Linear modules.
+# The dense MLP classes the families tile (`models/base.mlp_patches`): their forward calls child Linear modules. Those
+# of the decoder (called once per forward) become ZeRO-3 leaves under CP (`gather_whole_mlps_under_zero3`); the vision
+# blocks' MLPs do not (`VISION_MLP_CLASSES`).
 DENSE_MLP_CLASSES: set[str] = set()
+VISION_MLP_CLASSES: set[str] = set()
 
 
 def _zero3_gathers_per_child_call(module: torch.nn.Module) -> bool:
     """Whether ZeRO-3 gathers `module`'s weights child by child, at each child's call: tiles would then start one
     gather per tile, and ranks with different numbers of tiles would issue different collectives. Such a module runs
-    untiled (`gather_whole_mlps_under_zero3` prevents it under the package's DeepSpeed integration)."""
-    partitioned = any(hasattr(p, "ds_id") for p in module.parameters())
+    untiled (`gather_whole_mlps_under_zero3` prevents it under the package's DeepSpeed integration). Not when the
+    module is a ZeRO-3 leaf, or inside one (its weights then carry their leaf, `ds_z3_leaf_module`: a vision MLP in a
+    leaf tower, `vision_tiles.gather_whole_towers_under_zero3`)."""
+    params = list(module.parameters())
+    partitioned = any(hasattr(p, "ds_id") for p in params)
     children_hooked = any(next(child.parameters(), None) is not None for child in module.children())
-    return partitioned and children_hooked and not getattr(module, "_z3_leaf", False)
+    in_a_leaf = bool(params) and all(getattr(p, "ds_z3_leaf_module", None) is not None for p in params)
+    return partitioned and children_hooked and not (getattr(module, "_z3_leaf", False) or in_a_leaf)
 
 
 def gather_whole_mlps_under_zero3(model: torch.nn.Module | None) -> None:
-    """Before `deepspeed.initialize` under CP: every dense MLP the families tile becomes a ZeRO-3 leaf module — its
-    weights gathered once per call by its own hooks, its Linear children without hooks of their own — so its tiles
-    start no gathers (the MoE experts hold their weights themselves: nothing to do). With tiling off, nothing."""
+    """Before `deepspeed.initialize` under CP: every dense MLP of the decoder the families tile becomes a ZeRO-3 leaf
+    module — its weights gathered once per call by its own hooks, its Linear children without hooks of their own — so
+    its tiles start no gathers (the MoE experts hold their weights themselves: nothing to do). With tiling off,
+    nothing.
+
+    Not the vision blocks' MLPs: the tower runs once per modality in a forward (images, then videos), and ZeRO-3
+    reduces a leaf's gradients once per call while its reductions assume one per parameter and backward (two calls
+    failed its bucket check, or would overwrite the first call's gradient). They tile inside a vision tower made a
+    leaf (`vision_tiles.gather_whole_towers_under_zero3`, whose calls reduce once per forward), and run untiled in a
+    tower ZeRO-3 gathers module by module."""
     if model is None or SETTINGS.mlp_tile_tokens == 0:
         return
     for module in model.modules():
-        if any(cls.__name__ in DENSE_MLP_CLASSES for cls in type(module).__mro__):
+        names = {cls.__name__ for cls in type(module).__mro__}
+        if names & DENSE_MLP_CLASSES and not names & VISION_MLP_CLASSES:
             module._z3_leaf = True  # deepspeed.utils.set_z3_leaf_module, read when ZeRO-3 registers its hooks
 
 

@@ -11,10 +11,31 @@ one. A tile is the recomputation unit: the blocks' own gradient checkpointing (a
 a tile's forward and recompute, so each block is computed twice, as with checkpointing, and one tile's activations
 are alive at a time.
 
-Each parameter's gradient is summed over the tiles inside the function and returned once, as the gradient of that
-input: autograd accumulates it into `.grad` once per backward (per tower call), as the untiled tower does, so the
-hooks of DDP and ZeRO-2 see one gradient. A tower whose parameters ZeRO-3 partitions or FSDP2 shards per module runs
-untiled: its gathers would follow each rank's own number of tiles (different collectives on different ranks).
+The whole tiled pass runs inside one call of the tower module: `encode_items` calls the tower once with the tiles
+(`TILES_KWARG`), and its patched forward (`forward/vision.tower_forward`) runs this function, whose `encode` calls
+the tower's unhooked forward per tile. Each parameter's gradient is summed over the tiles inside the function and
+returned once, as the gradient of that input: autograd accumulates it into `.grad` once per backward (per tower
+call), as the untiled tower does, so the hooks of DDP and ZeRO-2 see one gradient.
+
+ZeRO-3: under CP with tiling on the DeepSpeed integration makes the tower a ZeRO-3 leaf module before the engine
+registers its hooks (`gather_whole_towers_under_zero3`): its weights are gathered whole once per tower call, in
+forward and again in backward (when the features' gradient reaches the call's output), and its children get no
+hooks — a rank's tiles start no gathers, whatever their number. DeepSpeed reduces a leaf's gradients in the leaf's
+full backward hook, once per call, assuming one reduction per parameter and backward; torch fires that hook when the
+gradients of the call's inputs are computed — with no input requiring one (pixels do not), as soon as the output's
+gradient arrives, before the weights' gradients exist — and only for a call whose output it can see. So every
+gradient-enabled call of a leaf tower gets an anchor (`forward/vision.tower_call`): an empty positional input that
+requires a gradient, fed into this function (or, untiled, tied to the pixels: the patch embedding then computes the
+pixels' gradient too, a transient the size of the call's pixels), whose gradient comes with or after every weight's;
+and of the tower's calls in one CP forward (images, videos) only the first is seen by torch's hooks, the later ones'
+anchors deriving from its anchor, so one reduction runs, after every call's backward. (A DeepSpeed that reduced a
+leaf's parameters at their accumulation instead would see one summed gradient per parameter as well.) The plan
+counts the gathered tower beside a tile's recompute (`planning.memory`).
+
+A tower whose parameters ZeRO-3 gathers module by module (not a leaf: tiling was off at `deepspeed.initialize`) or
+FSDP2 shards per module runs untiled: its gathers would follow each rank's own number of tiles (different collectives
+on different ranks). FSDP2 stays untiled: its unit of gathering is the module it wraps (`fully_shard` on the tower
+would need the Trainer's wrapping policy to name it).
 
 The ranks of a CP group take one path (`group_tiles`): when any rank's share makes several tiles, every rank runs its
 share through the function, in one tile if that is all it makes (a rank with nothing to encode: its placeholder as
@@ -158,12 +179,16 @@ class VisionTiles(torch.autograd.Function):
 
     Inputs: `encode` (the tower on one tile: (patches, width) -> joined features (merged tokens, features); reads
     `params`), `tower` (its checkpointing switched off meanwhile), `tiles` (`plan_tiles`), `pixels` (the share's
-    rows), then the `params`. Output: (the share's merged tokens, features). Saves `pixels` only; backward recomputes
-    tile by tile and returns each parameter's gradient summed over the tiles (module docstring)."""
+    rows), `anchor` (None, or an empty tensor whose gradient — empty — is returned with the parameters': a ZeRO-3
+    leaf's hook waits for it, module docstring), then the `params`. Output: (the share's merged tokens, features).
+    Saves `pixels` only; backward recomputes tile by tile and returns each parameter's gradient summed over the tiles
+    (module docstring)."""
 
     @staticmethod
-    def forward(ctx, encode: Callable, tower, tiles: Sequence[Tile], pixels: torch.Tensor, *params):
+    def forward(ctx, encode: Callable, tower, tiles: Sequence[Tile], pixels: torch.Tensor,
+                anchor: torch.Tensor | None, *params):
         ctx.encode, ctx.tower, ctx.tiles, ctx.params = encode, tower, tiles, params
+        ctx.anchor = None if anchor is None else (anchor.shape, anchor.dtype, anchor.device)
         ctx.autocast = autocast_of(pixels.device)
         ctx.save_for_backward(pixels)
         ctx.rng = []
@@ -183,7 +208,7 @@ class VisionTiles(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (pixels,), params = ctx.saved_tensors, ctx.params
-        want_pixels, wants = ctx.needs_input_grad[3], ctx.needs_input_grad[4:]
+        want_pixels, wants = ctx.needs_input_grad[3], ctx.needs_input_grad[5:]
         pixel_grad = torch.zeros_like(pixels) if want_pixels else None
         param_grads: list[torch.Tensor | None] = [None] * len(params)
         sources = [p for p, want in zip(params, wants) if want]
@@ -203,14 +228,25 @@ class VisionTiles(torch.autograd.Function):
                     continue
                 param_grads[i] = grad if param_grads[i] is None else param_grads[i].add_(grad)
             VISION_TILES.backward_tiles += 1
-        return None, None, None, pixel_grad, *param_grads
+        anchor_grad = None
+        if ctx.anchor is not None and ctx.needs_input_grad[4]:
+            shape, dtype, device = ctx.anchor
+            anchor_grad = torch.zeros(shape, dtype=dtype, device=device)
+        return None, None, None, pixel_grad, anchor_grad, *param_grads
+
+
+def zero3_leaf(tower: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 partitions the tower's parameters and gathers them whole, once per call of the tower (a leaf
+    module: `gather_whole_towers_under_zero3`)."""
+    return getattr(tower, "_z3_leaf", False) and any(hasattr(p, "ds_id") for p in tower.parameters())
 
 
 def _sharded_per_module(tower: torch.nn.Module) -> bool:
-    """Whether ZeRO-3 partitions the tower's parameters or FSDP2 shards its modules: their gathers follow the
-    module calls, and ranks with different numbers of tiles would issue different collectives."""
+    """Whether ZeRO-3 partitions the tower's parameters and gathers them module by module (not a leaf), or FSDP2
+    shards its modules: their gathers follow the module calls, and ranks with different numbers of tiles would issue
+    different collectives."""
     if any(hasattr(p, "ds_id") for p in tower.parameters()):
-        return True
+        return not getattr(tower, "_z3_leaf", False)
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
@@ -238,11 +274,18 @@ def group_tiles(tower, shares: Sequence[Sequence[tuple[int, int, int]]]) -> bool
     return tiling_applies(tower) and any(len(_tiles_of(tower.config, units)) > 1 for units in shares)
 
 
+# The keyword argument with which `forward/vision.encode_items` asks the tower's patched forward for its share's joined
+# features in tiles (popped there: the stock forward never sees it).
+TILES_KWARG = "vlmcp_vision_tiles"
+
+
 def encode_in_tiles(tower, pixels: torch.Tensor, units: Sequence[tuple[int, int, int]],
-                    encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                    encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                    anchor: torch.Tensor | None = None) -> torch.Tensor:
     """The joined features (merged tokens, features) of a share by items — `pixels` (patches, width) its rows,
     `units` [(frames, height, width)] its grid — computed in tiles (one if that is all it makes: `group_tiles`
-    decides for the group); `encode(pixels, grid_thw)` runs the stock tower and returns the joined features."""
+    decides for the group); `encode(pixels, grid_thw)` runs the tower's unhooked forward and returns the joined
+    features; `anchor`: a ZeRO-3 leaf tower's (`VisionTiles`). Called inside the tower's call (module docstring)."""
     tiles = _tiles_of(tower.config, units)
     device = pixels.device
 
@@ -250,4 +293,36 @@ def encode_in_tiles(tower, pixels: torch.Tensor, units: Sequence[tuple[int, int,
         return encode(rows, torch.tensor(tile.grid, device=device))
 
     params = [p for p in tower.parameters() if p.requires_grad]
-    return VisionTiles.apply(encode_tile, tower, tiles, pixels, *params)
+    return VisionTiles.apply(encode_tile, tower, tiles, pixels, anchor, *params)
+
+
+# The vision tower classes of the families (`models/base.py`): made ZeRO-3 leaves under CP.
+VISION_TOWER_CLASSES: set[str] = set()
+
+
+def gather_whole_towers_under_zero3(model: torch.nn.Module | None) -> None:
+    """Before `deepspeed.initialize` under CP: every vision tower of the families becomes a ZeRO-3 leaf module — its
+    weights gathered whole once per call by its own hooks, its modules without hooks of their own — so its tiles
+    start no gathers (module docstring). With vision tiling off, nothing: the tower is gathered module by module as
+    stock does, and runs untiled."""
+    if model is None or SETTINGS.vision_tile_patches == 0:
+        return
+    for module in model.modules():
+        if type(module).__name__ in VISION_TOWER_CLASSES:
+            module._z3_leaf = True  # deepspeed.utils.set_z3_leaf_module, read when ZeRO-3 registers its hooks
+
+
+class Tied(torch.autograd.Function):
+    """`x` itself, tied to `anchor` (an empty tensor that requires a gradient): the anchor's gradient (empty) comes
+    back with x's, after everything computed from x. An untiled call of a ZeRO-3 leaf tower ties its anchor to its
+    pixels this way (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor):
+        ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.anchor
+        return (grad if ctx.needs_input_grad[0] else None), torch.zeros(shape, dtype=dtype, device=device)

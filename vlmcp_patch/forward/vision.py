@@ -36,9 +36,11 @@ weights see the same module calls on every rank. No rank holds a feature of a to
 
 from __future__ import annotations
 
+import contextvars
 import sys
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..collectives.differentiable import exchange_rows
 from ..collectives.record import site
@@ -48,7 +50,7 @@ from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
 from ..layout import BY_ITEMS, EVERY_ITEM, VisionShare, round_up, segments_from_lengths, shard_slice
 from ..stats import STATS
 from ..supported import family_of
-from ..vision_tiles import encode_in_tiles, group_tiles
+from ..vision_tiles import TILES_KWARG, Tied, encode_in_tiles, group_tiles, zero3_leaf
 from .arguments import call_arguments
 
 # Keyword arguments that precompute per-patch tables for the whole batch: under CP each rank computes those of
@@ -74,15 +76,15 @@ def _joined_features(out) -> torch.Tensor:
 
 
 class _TiledOutput:
-    """Runs the stock tower on one tile, returning its joined features, and remembers what `_split_joined` reads of an
-    output (its class, the merged and deepstack widths) to make, after the tiles, an output of empty fields (no view
-    of a tile's tensors: nothing of them kept alive)."""
+    """The request `encode_items` hands the tower's call (`TILES_KWARG`): its share in tiles. `joined(out)` returns a
+    tile's joined features and remembers what `_split_joined` reads of an output (its class, the merged and deepstack
+    widths) to make, after the tiles, an output of empty fields (no view of a tile's tensors: nothing of them kept
+    alive)."""
 
-    def __init__(self, tower, kwargs: dict):
-        self.tower, self.kwargs, self.cls, self.widths, self.deepstack = tower, kwargs, None, [], False
+    def __init__(self):
+        self.cls, self.widths, self.deepstack = None, [], False
 
-    def __call__(self, rows: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        out = self.tower(rows, grid_thw=grid_thw, **self.kwargs)
+    def joined(self, out) -> torch.Tensor:
         self.cls, self.widths = type(out), [f.shape[-1] for f in _features(out)]
         self.deepstack = getattr(out, "deepstack_features", None) is not None
         return _joined_features(out)
@@ -111,8 +113,8 @@ def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionS
     """(tower output, joined features) of this rank's whole items and temporal groups (module docstring)."""
     placement = _tower_placement(tower)
     # the tower in tiles (`vision_tiles.py`) on every rank or on none: only the features are kept
-    tiled = _TiledOutput(tower, kwargs) if group_tiles(tower, [share.local_grid(r, "cpu").tolist()
-                                                               for r in range(cp.size)]) else None
+    tiled = _TiledOutput() if group_tiles(tower, [share.local_grid(r, "cpu").tolist()
+                                                  for r in range(cp.size)]) else None
     if share.mine(cp.rank):
         local = pixel_share(pixels, share.patch_rows(cp.rank), placement)
         grid = share.local_grid(cp.rank, placement["device"])
@@ -120,8 +122,8 @@ def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionS
         # The placeholder's rows are dropped; the empty selection keeps its backward (and the exchange) running on
         # this rank, with a zero gradient.
         local, grid = placeholder_vision_inputs(tower.config, **placement)
-    if tiled is not None:
-        joined = encode_in_tiles(tower, local, grid.tolist(), tiled)
+    if tiled is not None:  # one call of the tower, its tiles inside (`tower_forward`): it returns the joined features
+        joined = tower(local, grid_thw=grid, **kwargs, **{TILES_KWARG: tiled})
         out = tiled.template(joined)
     else:
         out = tower(local, grid_thw=grid, **kwargs)
@@ -262,6 +264,89 @@ def cp_image_features(wrapped, instance, args, kwargs, deepstack_per_item: bool 
                                         ctx.vision_shares[modality], ctx, call)
     out = _split_joined(out, joined, deepstack_per_item)
     return out if return_dict else out.to_tuple()
+
+
+class _Anchored:
+    """A ZeRO-3 leaf tower's call in progress (`tower_call`): the tower; whether torch's hooks see its output (the
+    first call of the tower in a forward: `visible`); the anchor as the hooks passed it to the forward (`hooked`); how
+    the forward flattened a stock output (a pytree spec, for `tower_call` to rebuild it; None: not flattened)."""
+
+    def __init__(self, tower, visible: bool):
+        self.tower, self.visible, self.hooked, self.spec = tower, visible, None, None
+
+
+# The anchored call in progress (`tower_call`), read by the tower's forward (`tower_forward`).
+_ANCHORED: contextvars.ContextVar = contextvars.ContextVar("vlmcp_anchored_tower", default=None)
+
+
+def tower_call(wrapped, instance, args, kwargs):
+    """A vision tower's `__call__` (wrapt's convention). A ZeRO-3 leaf tower (`vision_tiles.zero3_leaf`: under CP
+    with vision tiling on) called with gradients gets one more positional argument, an empty tensor that requires a
+    gradient: its anchor. Everything else: the stock call.
+
+    ZeRO-3 reduces a leaf's gradients in the leaf's full backward hook, once per call, and its reductions assume one
+    per parameter and backward. torch runs that hook when the gradients of the call's inputs are computed — with no
+    input requiring one, as soon as the output's arrives (before the weights' gradients exist) — and only for a call
+    whose output holds tensors it can see (a tensor or a tuple of them, not a ModelOutput). So the first call of the
+    tower in a CP forward is seen: its output a tensor (tiles) or the tuple of its output's leaves (rebuilt here,
+    outside the hooks), its anchor's gradient made to come after every weight's (`tower_forward`). Each later call
+    (images, then videos) is not: its output stays out of torch's sight, and its anchor derives from the first call's
+    anchor as that call's hooks passed it on, so the first call's hook — the one reduction — waits for every call's
+    backward."""
+    if not (torch.is_grad_enabled() and zero3_leaf(instance)
+            and any(p.requires_grad for p in instance.parameters())):
+        return wrapped(*args, **kwargs)
+    ctx = current_cp_forward()
+    anchors = ctx.tower_anchors if ctx is not None else {}
+    first = anchors.get(id(instance))
+    if first is None:
+        anchor = torch.empty(0, device=next(instance.parameters()).device, requires_grad=True)
+    else:
+        anchor = first.clone()  # its gradient joins the first call's anchor's
+    call = _Anchored(instance, visible=first is None)
+    with scoped(_ANCHORED, call):
+        result = wrapped(*args, anchor, **kwargs)
+    if first is None:
+        anchors[id(instance)] = call.hooked
+    if call.spec is not None:
+        return tree_unflatten(list(result), call.spec)
+    return result if call.visible or not isinstance(result, list) else result[0]
+
+
+def tower_forward(wrapped, instance, args, kwargs):
+    """A vision tower's `forward` (wrapt's convention): `(hidden_states (patches, width), grid_thw, ...)`.
+
+    With `TILES_KWARG` (a `_TiledOutput`, from `encode_items`): the share's joined features (merged tokens,
+    features), computed in tiles inside this one call (`vision_tiles.encode_in_tiles`), each tile through the
+    unhooked stock forward. Inside an anchored call (`tower_call`): the anchor is fed into the tiles, or tied to the
+    pixels of the stock forward; the output of a call torch's hooks should see is a tensor or a tuple (the stock
+    output's leaves), of one they should not a list or the stock output. Otherwise the stock forward."""
+    request = kwargs.pop(TILES_KWARG, None)
+    call, anchor = _ANCHORED.get(), None
+    if call is not None and call.tower is instance:
+        *args, anchor = args
+        call.hooked = anchor
+    with scoped(_ANCHORED, None):  # the calls inside are no anchored calls
+        if request is not None:
+            named = call_arguments(wrapped, args, kwargs)
+            pixels, grid = named.pop("hidden_states"), named.pop("grid_thw")
+
+            def encode(rows: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+                return request.joined(wrapped(rows, grid_thw=grid_thw, **named))
+
+            joined = encode_in_tiles(instance, pixels, grid.tolist(), encode, anchor)
+            return [joined] if anchor is not None and not call.visible else joined
+        if anchor is None:
+            return wrapped(*args, **kwargs)
+        if args:
+            args = (Tied.apply(args[0], anchor), *args[1:])
+        else:
+            kwargs["hidden_states"] = Tied.apply(kwargs["hidden_states"], anchor)
+        out = wrapped(*args, **kwargs)
+    if not call.visible:
+        return out
+    leaves, call.spec = tree_flatten(out)
+    return tuple(leaves)
 
 
 def cp_video_features(wrapped, instance, args, kwargs):

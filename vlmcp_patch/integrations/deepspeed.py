@@ -18,6 +18,7 @@ from ..forward.arguments import call_arguments
 from ..grad_shares import reduced_by_wrapper
 from ..patching import Patch
 from ..tiles import gather_whole_mlps_under_zero3
+from ..vision_tiles import gather_whole_towers_under_zero3
 from .setup import check_cp_setup, require_integration
 
 # Digests of `DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`, which averages over all W ranks (its
@@ -100,6 +101,7 @@ def cp_deepspeed_initialize(wrapped, instance, args, kwargs):
         check_cp_setup(model)
         reduced_by_wrapper(model)  # the engine sums its gradients over the CP groups given as its mpu
         gather_whole_mlps_under_zero3(model)  # before ZeRO-3 registers its hooks (tiles.py)
+        gather_whole_towers_under_zero3(model)  # the same for the vision towers (vision_tiles.py)
         kwargs["mpu"] = CPParallelState()
         if BATCH_SIZED_BY_ACCELERATE.get():
             _size_batch_for_replicas(kwargs.get("config_params", kwargs.get("config")))

@@ -10,11 +10,12 @@ from ..forward.arguments import CACHE_KEYWORDS
 from ..forward.decoder import text_model_forward
 from ..forward.top_level import cp_top_level_forward
 from ..forward.unverified import unverified_guard
-from ..forward.vision import cp_image_features, cp_video_features
+from ..forward.vision import cp_image_features, cp_video_features, tower_call, tower_forward
+from ..offload import offloaded_checkpoint_call
 from ..patching import Patch, source_digest
 from ..supported import Family
-from ..offload import offloaded_checkpoint_call
-from ..tiles import DENSE_MLP_CLASSES, tiled_experts_forward, tiled_mlp
+from ..tiles import DENSE_MLP_CLASSES, VISION_MLP_CLASSES, tiled_experts_forward, tiled_mlp
+from ..vision_tiles import VISION_TOWER_CLASSES
 
 TOP_LEVEL_PARAMS = ("input_ids", "attention_mask", "position_ids", CACHE_KEYWORDS, "labels", "logits_to_keep")
 
@@ -80,6 +81,7 @@ _TILES_REASON = ("under CP: the MLP runs over sequence tiles of the rank's slice
 def mlp_patches(family: Family, mlps: MLPs) -> list[Patch]:
     """The tiled-MLP patches of `family`'s MLP classes (`tiles.py`)."""
     DENSE_MLP_CLASSES.update(mlps.gated + mlps.vision)
+    VISION_MLP_CLASSES.update(mlps.vision)
     dense = [(cls, tiled_mlp(intermediates=4), (MLP_INPUT,)) for cls in mlps.gated]
     dense += [(cls, tiled_mlp(intermediates=2), (MLP_INPUT,)) for cls in mlps.vision]  # fc1, activation
     experts = [(cls, tiled_experts_forward, EXPERTS_PARAMS) for cls in mlps.experts]
@@ -116,7 +118,30 @@ def _vision_patches(family: Family, image_features: ImageFeatures) -> list[Patch
         per_item = _deepstack_per_item(type(instance), image_features.deepstack_per_item)
         return cp_image_features(wrapped, instance, args, kwargs, deepstack_per_item=per_item)
 
+    towers = []
+    if family.vision_model is not None:
+        VISION_TOWER_CLASSES.add(family.vision_model)
+        towers = [
+            Patch(
+                target=family.target(family.vision_model, "forward"),
+                wrapper=tower_forward,
+                reason="under CP: a share's tiles of items run inside one call of the tower (vision_tiles.py, "
+                "VLMCP_VISION_TILE_PATCHES), each through the stock forward, recomputed tile by tile in backward; a "
+                "ZeRO-3 leaf tower's anchor is fed in. It calls the stock forward per tile and relies on the tower "
+                "never mixing temporal patch groups: no upstream code is mirrored",
+                expects=("hidden_states", "grid_thw"),
+                family=family.name,
+            ),
+            Patch(
+                target=family.target(family.vision_model, "__call__"),
+                wrapper=tower_call,
+                reason="under CP with ZeRO-3: a leaf tower's call gets an empty input that requires a gradient, so "
+                "ZeRO-3 reduces and releases its weights after their gradients exist (vision_tiles.py)",
+                family=family.name,
+            ),
+        ]
     return [
+        *towers,
         Patch(
             target=family.target(family.multimodal_model, "get_image_features"),
             wrapper=get_image_features,

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
                     help="price VLMCP_MLP_TILE_TOKENS=0 (the MLPs whole; by default they run in tiles under CP)")
     tr.add_argument("--no-vision-tiles", dest="tiled_vision", action="store_false",
                     help="price VLMCP_VISION_TILE_PATCHES=0 (the vision tower over the rank's whole share; by "
-                    "default it runs over tiles of items under CP, except under ZeRO-3 / FSDP)")
+                    "default it runs over tiles of items under CP, except under FSDP)")
     hw.add_argument("--host-link-gbs", type=float,
                     help=f"host link per GPU and direction, GB/s (default {GPUS['h100'].host_gbs:g}: PCIe Gen5 x16, "
                     "effective)")

@@ -81,14 +81,21 @@ def merger_elements(d: ModelDims) -> float:
 
 def vision_tile(d: ModelDims, t: Training, patches: int, size: int) -> int:
     """Patches of one tile of the vision tower over a rank's `patches` (the package's automatic rule,
-    `vision_tiles.tile_patches`); 0 when the tower runs untiled: tiling off, CP off, ZeRO-3 / FSDP (which gather the
-    tower block by block: the package runs it whole), or one tile."""
-    if not (t.tiled_vision and size > 1 and d.vision_depth and patches) or t.sharding in ("zero3", "fsdp"):
+    `vision_tiles.tile_patches`); 0 when the tower runs untiled: tiling off, CP off, FSDP (which gathers the tower
+    module by module: the package runs it whole), or one tile. ZeRO-3 tiles: the package makes the tower a ZeRO-3
+    leaf, gathered whole once per call (`vision_tower_gathered`)."""
+    if not (t.tiled_vision and size > 1 and d.vision_depth and patches) or t.sharding == "fsdp":
         return 0
     work = d.vision_depth * (13 * d.vision_width + 2 * d.vision_intermediate)
     kept = d.hidden * (1 + d.deepstack) / d.merge**2
     tile = tile_patches(patches, work, kept)
     return tile if tile < patches else 0
+
+
+def vision_tower_gathered(d: ModelDims, t: Training, tiled: bool) -> float:
+    """Elements of the whole vision tower's weights that ZeRO-3 holds gathered while a tiled tower runs (a leaf
+    module: `vision_tiles.gather_whole_towers_under_zero3`), beside a tile's recompute; 0 otherwise."""
+    return d.vision_params() if tiled and t.sharding == "zero3" else 0.0
 
 
 @dataclass
@@ -181,6 +188,7 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     tile = vision_tile(d, t, patches, size)
     vis_tile = (vision_elements(d) - (2 * d.vision_intermediate if tiled else 0)) if tile else 0.0
     tile_work = tile * (c.vision * (d.vision_depth * vis_tile + mergers) + 2 * d.vision_width)
+    tile_work += vision_tower_gathered(d, t, bool(tile))  # under ZeRO-3 the whole tower, gathered meanwhile
     # DeltaNet across a ring (models/deltanet_ring.py): a chunk continuing a sample runs the delta rule twice more
     # for its transfer (B from a zero state, M from the identity), and autograd keeps both runs' intermediates
     ring_rule = 2 * deltanet_rule_elements(d, ulysses) if (ring > 1 and d.linear_layers) else 0.0

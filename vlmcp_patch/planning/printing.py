@@ -52,8 +52,8 @@ def assumptions(dims: ModelDims, hw: Hardware, t: Training) -> list[str]:
            "ring passes priced without overlap (--no-ring-overlap; 'ring ov': what overlap leaves)"),
         "  MLPs " + ("in sequence tiles under CP (P > 1; --no-mlp-tiles prices them whole)" if t.tiled_mlp else
                      "whole (--no-mlp-tiles)")
-        + "; vision tower " + ("over tiles of items under CP (P > 1; not under ZeRO-3 / FSDP; --no-vision-tiles "
-                               "prices it whole)" if t.tiled_vision else "over the rank's whole share "
+        + "; vision tower " + ("over tiles of items under CP (P > 1; ZeRO-3 gathers it whole; not under FSDP; "
+                               "--no-vision-tiles prices it whole)" if t.tiled_vision else "over the rank's whole share "
                                "(--no-vision-tiles)")
         + "; checkpoints " + (f"offloaded to the host (host/node: the pools of the node's ranks"
                               f"{' and the optimizer' if t.offload_optimizer else ''}; copies at {hw.host_gbs:g} GB/s "

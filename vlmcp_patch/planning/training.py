@@ -16,8 +16,9 @@ class Training:
     input waits in a host pool between forward and backward, the last layer's input and the one prefetched stay on
     the device; `tiled_mlp`: the MLPs in sequence tiles (`VLMCP_MLP_TILE_TOKENS`, automatic tiles), which the
     package does under CP only (P > 1) — False prices `VLMCP_MLP_TILE_TOKENS=0`; `tiled_vision`: the vision tower
-    over tiles of items (`VLMCP_VISION_TILE_PATCHES`, automatic tiles), under CP only and not under ZeRO-3 / FSDP
-    (which gather the tower block by block: the package runs it whole) — False prices `VLMCP_VISION_TILE_PATCHES=0`;
+    over tiles of items (`VLMCP_VISION_TILE_PATCHES`, automatic tiles), under CP only, not under FSDP (which
+    gathers the tower module by module: the package runs it whole; ZeRO-3 gathers it whole as a leaf module and it
+    tiles) — False prices `VLMCP_VISION_TILE_PATCHES=0`;
     `stock_head`: full-vocabulary fp32 logits (a head without chunking)."""
 
     sharding: str = "zero3"
