@@ -129,14 +129,24 @@ class HostPixels(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def _model(args: argparse.Namespace):
+    dtype = DTYPES[getattr(args, "dtype", "fp32")]
     if not args.dry_run:
         heads = {"heads": args.heads} if args.heads else {}
-        return build_benchmark_model(args.model, layers=args.layers, scale=args.scale, **heads)
+        return build_benchmark_model(args.model, layers=args.layers, scale=args.scale, **heads).to(dtype)
     from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
 
     config = (tiny_qwen3_vl_config if args.model == "qwen3-vl" else tiny_qwen3_5_config)(num_attention_heads=8)
-    return build_model(config, seed=0)
+    return build_model(config, seed=0).to(dtype)
+
+
+def _in_dtype(batch: dict, args: argparse.Namespace) -> dict:
+    """The batch's floating tensors (the pixels) in the benchmark's dtype, as a bf16 training run hands them over."""
+    dtype = DTYPES[getattr(args, "dtype", "fp32")]
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
 
 
 def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, stock: bool = False) -> dict:
@@ -151,7 +161,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, s
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     reference = _model(args).requires_grad_(False) if args.step == "grpo" else None
-    batch = row_of(args.sample, tokens, model.config.vision_config.patch_size, args.dry_run)
+    batch = _in_dtype(row_of(args.sample, tokens, model.config.vision_config.patch_size, args.dry_run), args)
     if stock:
         vlmcp_patch.revert()
     vlmcp_patch.enable(cp_size=world_size, mlp_tile_tokens=args.mlp_tile_tokens,
@@ -400,6 +410,8 @@ def parser() -> argparse.ArgumentParser:
                         help="each P with the vision tower untiled and in tiles: peaks and their ratio")
     parser.add_argument("--offload-checkpoints", action="store_true",
                         help="the checkpoints in host memory (VLMCP_OFFLOAD_CHECKPOINTS; with --gradient-checkpointing)")
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES),
+                        help="the weights' and pixels' dtype (bf16: as a GPU trains; the head's logits stay fp32)")
     parser.add_argument("--dry-run", action="store_true", help="the tiny test models on short rows")
     return parser
 

@@ -224,22 +224,21 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
             kinds.append((tile_work if tile else patches * (c.vision_work * vis + 2 * d.vision_width), 0.0))
         working, exchange = max(kinds, key=sum)
         m.working, m.exchange = b * working, b * exchange
-    # the fused head: one chunk of fp32 logits (turned into their gradient in place), its bf16 copy for the
-    # gradient matmuls and that copy's fp32 cast for the weight's gradient, the slice's hidden-state gradient in
-    # fp32; a stock head keeps the slice's fp32 logits, their softmax and gradient (3 x)
+    # the fused head: one chunk of fp32 logits (turned into their gradient in place), its copy in the head's dtype
+    # for the gradient matmuls (the matmul's own output before the upcast, as large) and, for the weight's fp32
+    # gradient, that copy's fp32 cast (`.T.float()`; not when the head is frozen), and the slice's hidden-state
+    # gradient in the head's dtype; a stock head keeps the slice's fp32 logits, their softmax and gradient (3 x)
     from ..loss import chunk_tokens  # torch at call time only
 
     if t.stock_head:
-        m.head = 3 * 4.0 * local * d.vocab + 4.0 * local * d.hidden
+        m.head = 3 * 4.0 * local * d.vocab + b * local * d.hidden
     else:
-        chunk = chunk_tokens(local, d.hidden, d.vocab)  # the package's own rule
-        # the cast back to the head's dtype, and for the weight's fp32 gradient its fp32 copy again (`.T.float()`);
-        # both no-ops in fp32
-        copy = b + 4 if b < 4 else 0
-        m.head = (4 + copy) * chunk * d.vocab + 4.0 * local * d.hidden
+        chunk = chunk_tokens(local, d.hidden, d.vocab, t.loss_chunk)  # the package's own rule, or the one set
+        copy = 0 if b >= 4 else b + (0 if t.frozen_head else 4)  # no copies in fp32
+        m.head = (4 + copy) * chunk * d.vocab + b * local * d.hidden
     # the head weight's gradient, fp32 (`loss._accumulate_head_grads`), made in the forward and handed to autograd
     # at the start of backward; under ZeRO-3 the whole lm_head gathered while the head runs
-    m.head_weight = 4.0 * d.vocab * d.hidden
+    m.head_weight = 0.0 if t.frozen_head else 4.0 * d.vocab * d.hidden
     if t.sharding in ("zero3", "fsdp") and size * t.dp > 1:
         m.head_weight += b * d.vocab * d.hidden
     m.batch = 32.0 * row.tokens  # ids, labels, positions, token types: int64, whole row

@@ -19,7 +19,8 @@ class Training:
     over tiles of items (`VLMCP_VISION_TILE_PATCHES`, automatic tiles), under CP only, not under FSDP (which
     gathers the tower module by module: the package runs it whole; ZeRO-3 gathers it whole as a leaf module and it
     tiles) — False prices `VLMCP_VISION_TILE_PATCHES=0`;
-    `stock_head`: full-vocabulary fp32 logits (a head without chunking)."""
+    `stock_head`: full-vocabulary fp32 logits (a head without chunking); `frozen_head`: the LM head's weight does not
+    train (LoRA, frozen tied embeddings): no fp32 gradient of it, nor the fp32 copy of a chunk that makes it."""
 
     sharding: str = "zero3"
     gradient_checkpointing: bool = True
@@ -30,6 +31,8 @@ class Training:
     tiled_mlp: bool = True
     tiled_vision: bool = True
     stock_head: bool = False
+    frozen_head: bool = False
+    loss_chunk: int = 0  # tokens per chunk of the head (`VLMCP_LOSS_CHUNK`); 0: the package's automatic rule
     freeze_vision: bool = False
     attention: str = "flash_attention_2"  # or "sdpa": the ring's blocks then run tiled fp32 torch math
     # the ring posts each pass before computing its block and waits after it (`collectives.start_pass`): only
