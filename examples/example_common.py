@@ -164,6 +164,14 @@ def checkpoint_wrapped_modules(model) -> int:
     return sum(isinstance(m, CheckpointWrapper) for m in model.modules())
 
 
+def fsdp_units_in_vision(model) -> int:
+    """How many FSDP2 units the vision tower holds (Accelerate's wrapping policy decides; the package tiles a tower
+    FSDP2 gathers module by module untiled)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for name, m in model.named_modules() if ".visual" in f".{name}")
+
+
 def report_run(trainer, save_weights: str | None, save_logs: str | None, logs: list[dict], line) -> None:
     """The end of an example: every rank gathers the weights when they are to be saved (ZeRO-3 / FSDP2 need all),
     rank 0 prints `line(entry)` for each logged entry and what wrapped the model, and saves the logs (with that
@@ -176,6 +184,7 @@ def report_run(trainer, save_weights: str | None, save_logs: str | None, logs: l
     state = full_state_dict(trainer.model, trainer.accelerator) if save_weights else None
     wrapper = describe_wrapper(trainer.model_wrapped, trainer.model)
     checkpointed = checkpoint_wrapped_modules(trainer.model)
+    vision_units = fsdp_units_in_vision(trainer.model)
     if int(os.environ.get("RANK", "0")) != 0:
         return
     for entry in logs:
@@ -186,7 +195,7 @@ def report_run(trainer, save_weights: str | None, save_logs: str | None, logs: l
     if save_logs:
         with open(save_logs, "w") as f:
             json.dump([*logs, {"wrapper": wrapper, "patched": vlmcp_patch.PATCHES.active,
-                               "checkpoint_wrapped": checkpointed}], f)
+                               "checkpoint_wrapped": checkpointed, "fsdp_vision_units": vision_units}], f)
     if save_weights:
         torch.save(state, save_weights)
 

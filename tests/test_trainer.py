@@ -45,14 +45,15 @@ def _launch(name: str, procs: int, cp_size: int, model: str, extra=(), launcher=
     steps = [e for e in entries if "loss" in e or "eval_loss" in e]
     return Run(torch.load(tmp / "w.pt"), steps, about["wrapper"], tmp / "out",
                next(e for e in entries if "train_samples_per_second" in e), about["patched"],
-               about["checkpoint_wrapped"])
+               about["checkpoint_wrapped"], about["fsdp_vision_units"])
 
 
 class Run:
-    def __init__(self, weights, steps, wrapper, output, summary, patched, checkpoint_wrapped=0):
+    def __init__(self, weights, steps, wrapper, output, summary, patched, checkpoint_wrapped=0, fsdp_vision_units=0):
         self.weights, self.steps, self.wrapper, self.output, self.summary = weights, steps, wrapper, output, summary
         self.patched = patched  # whether the package's patches were installed in that run
         self.checkpoint_wrapped = checkpoint_wrapped  # modules under torch's checkpoint_wrapper (FSDP2's AC)
+        self.fsdp_vision_units = fsdp_vision_units  # FSDP2 units inside the vision tower (Accelerate's policy)
 
     @property
     def train(self):
@@ -392,10 +393,12 @@ def test_tiled_mlps_train_like_p1_under_each_wrapper(wrapper, once):
     assert run.wrapper == wrapped_by
     assert all(e["cp_mlp_tiles_per_call"] >= 3 for e in run.train), [e.get("cp_mlp_tiles_per_call") for e in run.train]
     vision_tiles = [e.get("cp_vision_tiles_per_call") for e in run.train]
-    if wrapper != "fsdp2":  # a step whose items are one per rank runs the stock tower
-        assert any(t is not None and t >= 2 for t in vision_tiles), vision_tiles
-    else:
+    # FSDP2 units inside the tower (the newest Accelerate wraps its blocks) gather module by module: untiled. A tower
+    # inside one unit (Accelerate 1.11's policy) is gathered whole with it, and tiles
+    if wrapper == "fsdp2" and run.fsdp_vision_units:
         assert vision_tiles == [None] * len(run.train)
+    else:  # a step whose items are one per rank runs the stock tower
+        assert any(t is not None and t >= 2 for t in vision_tiles), vision_tiles
     assert_trains_like(run, once(p1, VL))
 
 
