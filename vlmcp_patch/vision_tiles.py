@@ -33,9 +33,9 @@ leaf's parameters at their accumulation instead would see one summed gradient pe
 counts the gathered tower beside a tile's recompute (`planning.memory`).
 
 A tower whose parameters ZeRO-3 gathers module by module (not a leaf: tiling was off at `deepspeed.initialize`) or
-FSDP2 shards per module runs untiled: its gathers would follow each rank's own number of tiles (different collectives
-on different ranks). FSDP2 stays untiled: its unit of gathering is the module it wraps (`fully_shard` on the tower
-would need the Trainer's wrapping policy to name it).
+that holds FSDP2 units (the newest Accelerate's policy wraps its blocks) runs untiled: their gathers would follow each
+rank's own number of tiles (different collectives on different ranks). A tower inside one FSDP2 unit (Accelerate
+1.11 wraps it with the root) is gathered whole with that unit, and tiles.
 
 The ranks of a CP group take one path (`group_tiles`): when any rank's share makes several tiles, every rank runs its
 share through the function, in one tile if that is all it makes (a rank with nothing to encode: its placeholder as
