@@ -29,7 +29,7 @@ from .forward.arguments import call_arguments
 from .patching import cp_size
 from .settings import AUTO, SETTINGS
 from .stats import TileCounts
-from .vision_tiles import autocast_of
+from .vision_tiles import autocast_of, zero3_partitioned
 
 MIN_TILE = 1024  # tokens: the matmuls of a tile stay large enough to run at full speed
 INTERMEDIATE_PER_HIDDEN = 1  # a tile's intermediates take at most this many times the slice's hidden states
@@ -132,10 +132,9 @@ def _zero3_gathers_per_child_call(module: torch.nn.Module) -> bool:
     module is a ZeRO-3 leaf, or inside one (its weights then carry their leaf, `ds_z3_leaf_module`: a vision MLP in a
     leaf tower, `vision_tiles.gather_whole_towers_under_zero3`)."""
     params = list(module.parameters())
-    partitioned = any(hasattr(p, "ds_id") for p in params)
     children_hooked = any(next(child.parameters(), None) is not None for child in module.children())
     in_a_leaf = bool(params) and all(getattr(p, "ds_z3_leaf_module", None) is not None for p in params)
-    return partitioned and children_hooked and not (getattr(module, "_z3_leaf", False) or in_a_leaf)
+    return zero3_partitioned(module) and children_hooked and not (getattr(module, "_z3_leaf", False) or in_a_leaf)
 
 
 def gather_whole_mlps_under_zero3(model: torch.nn.Module | None) -> None:

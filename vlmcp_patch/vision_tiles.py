@@ -235,17 +235,22 @@ class VisionTiles(torch.autograd.Function):
         return None, None, None, pixel_grad, anchor_grad, *param_grads
 
 
+def zero3_partitioned(module: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 partitions some of the module's parameters (it gathers them around the module calls)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
 def zero3_leaf(tower: torch.nn.Module) -> bool:
     """Whether ZeRO-3 partitions the tower's parameters and gathers them whole, once per call of the tower (a leaf
     module: `gather_whole_towers_under_zero3`)."""
-    return getattr(tower, "_z3_leaf", False) and any(hasattr(p, "ds_id") for p in tower.parameters())
+    return getattr(tower, "_z3_leaf", False) and zero3_partitioned(tower)
 
 
 def _sharded_per_module(tower: torch.nn.Module) -> bool:
     """Whether ZeRO-3 partitions the tower's parameters and gathers them module by module (not a leaf), or FSDP2
     shards its modules: their gathers follow the module calls, and ranks with different numbers of tiles would issue
     different collectives."""
-    if any(hasattr(p, "ds_id") for p in tower.parameters()):
+    if zero3_partitioned(tower):
         return not getattr(tower, "_z3_leaf", False)
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -313,9 +318,10 @@ def gather_whole_towers_under_zero3(model: torch.nn.Module | None) -> None:
 
 
 class Tied(torch.autograd.Function):
-    """`x` itself, tied to `anchor` (an empty tensor that requires a gradient): the anchor's gradient (empty) comes
-    back with x's, after everything computed from x. An untiled call of a ZeRO-3 leaf tower ties its anchor to its
-    pixels this way (module docstring)."""
+    """`x` itself, tied to `anchor` (an empty tensor that requires a gradient): the output requires a gradient even when
+    x does not, and the anchor's gradient (empty) comes back with x's, after everything computed from x. An untiled
+    call of a ZeRO-3 leaf tower ties its anchor to its pixels this way (module docstring); under CP the frozen input
+    embeddings' output reaches the layers this way, as no leaf (`integrations/input_grads.py`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, anchor: torch.Tensor):

@@ -9,9 +9,10 @@ inside it. Autograd then keeps that leaf for its gradient accumulator until back
 the step, at long rows as much as a decoder layer's whole checkpoint. (Found with the memory benchmark's probe of
 what is alive at the peak, whose model has frozen tied embeddings.)
 
-Under CP a second hook, registered right after transformers' own, hands the layers the same values through
-`_RequiresGradNoLeaf`: an output that requires a gradient (so reentrant checkpoints still back-propagate into the
-layers) and is no leaf (so nothing keeps it: it goes when the layers that read it are done with it). No gradient
+Under CP a second hook, registered right after transformers' own, hands the layers the same values detached and tied
+to an empty anchor (`vision_tiles.Tied`): an output that requires a gradient (so reentrant checkpoints still
+back-propagate into the layers) and is no leaf (so nothing keeps it: it goes when the layers that read it are done
+with it). No gradient
 reaches the embeddings either way: they are frozen. With CP off the hook returns nothing: stock's output, unchanged.
 """
 
@@ -21,34 +22,21 @@ import torch
 
 from ..context import current_cp_forward
 from ..patching import Patch
+from ..vision_tiles import Tied
 
-
-class _RequiresGradNoLeaf(torch.autograd.Function):
-    """`x`'s values (the same storage) as a tensor that requires a gradient through `anchor` and is no leaf; its
-    backward ends the graph (returns no gradient for either input)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return None, None
-
-
-# A leaf of no elements that requires a gradient and never gets one (`_RequiresGradNoLeaf.backward`).
+# A leaf of no elements that requires a gradient: what the layers' input is tied to (`vision_tiles.Tied`).
 _ANCHOR = torch.empty(0, requires_grad=True)
 
 
 def _no_leaf_under_cp(module, args, output):
-    """A forward hook after transformers' `make_inputs_require_grads`: under CP its leaf output is handed on as
-    `_RequiresGradNoLeaf`'s (module docstring); otherwise nothing (the output as it is)."""
+    """A forward hook after transformers' `make_inputs_require_grads`: under CP its leaf output is handed on detached
+    and tied to `_ANCHOR` (module docstring); otherwise nothing (the output as it is)."""
     ctx = current_cp_forward()
     if ctx is None or ctx.cp.size == 1 or not isinstance(output, torch.Tensor):
         return None
     if not (output.is_leaf and output.requires_grad) or isinstance(output, torch.nn.Parameter):
         return None
-    return _RequiresGradNoLeaf.apply(output.detach(), _ANCHOR)  # detached: the leaf is not in the graph
+    return Tied.apply(output.detach(), _ANCHOR)  # detached: the leaf is not in the graph
 
 
 def cp_enable_input_require_grads(wrapped, instance, args, kwargs):

@@ -86,7 +86,7 @@ def vision_tile(d: ModelDims, t: Training, patches: int, size: int) -> int:
     leaf, gathered whole once per call (`vision_tower_gathered`)."""
     if not (t.tiled_vision and size > 1 and d.vision_depth and patches) or t.sharding == "fsdp":
         return 0
-    work = d.vision_depth * (13 * d.vision_width + 2 * d.vision_intermediate)
+    work = d.vision_depth * vision_elements(d)
     kept = d.hidden * (1 + d.deepstack) / d.merge**2
     tile = tile_patches(patches, work, kept)
     return tile if tile < patches else 0
