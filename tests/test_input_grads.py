@@ -57,7 +57,8 @@ def frozen_embeddings_run(rank: int, world_size: int, family: str, reentrant: bo
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
 # a text-only row with reentrant checkpoints: nothing but the embeddings' output can carry the gradient into them
-@pytest.mark.parametrize("reentrant, case", [(False, "multi_image"), (True, "text_only")],
+# padded rows of images (with their mask: no release cuts them, tests/helpers/cases.py)
+@pytest.mark.parametrize("reentrant, case", [(False, "padded_pair"), (True, "text_only")],
                          ids=["non-reentrant", "reentrant"])
 def test_frozen_embeddings_with_checkpointing_equal_stock_without_keeping_the_output(family, reentrant, case):
     for rank, m in enumerate(run_distributed(frozen_embeddings_run, 2, family, reentrant, case, timeout=600)):

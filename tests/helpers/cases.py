@@ -147,6 +147,14 @@ def stock_cuts_the_row(family: str, case: str) -> bool:
     return STOCK_CUTS_ROWS_AT_IMAGES and (family, case) in ONE_ROW_OF_IMAGES_CHECKPOINTED
 
 
+def stock_cuts_this_row(batch: dict, checkpointing) -> bool:
+    """The same for any batch: one row with vision inputs and no attention mask, trained with gradient checkpointing,
+    on a release that cuts such a row at its images (above)."""
+    vision = any(batch.get(k) is not None for k in ("pixel_values", "pixel_values_videos"))
+    return (STOCK_CUTS_ROWS_AT_IMAGES and bool(checkpointing) and vision and batch.get("attention_mask") is None
+            and batch["input_ids"].shape[0] == 1)
+
+
 def towers_take_patch_tables() -> bool:
     """Whether the installed transformers' vision towers take the per-patch tables (5.15 on), and so encode slices
     of all items' patches under CP (`forward/vision.py`)."""

@@ -4,7 +4,7 @@ several, against stock at P=1."""
 
 from __future__ import annotations
 
-from tests.helpers.cases import FAMILIES
+from tests.helpers.cases import FAMILIES, stock_cuts_this_row
 from vlmcp_patch.fixtures.data import Segment as S
 from vlmcp_patch.fixtures.data import make_batch
 from vlmcp_patch.fixtures.models import build_model
@@ -65,6 +65,7 @@ def run_vision_tile_cases(rank: int, world_size: int) -> dict:
             metrics = compare(model, batch, world_size)
             metrics["tiles"] = VISION_TILES.drain()
             metrics["accumulations"] = sorted(set(counts.values()))
+            metrics["stock_cut"] = stock_cuts_this_row(batch, checkpointing)
             results[f"{family} checkpointing={checkpointing} tile={tile}"] = metrics
     finally:
         vlmcp_patch.enable(vision_tile_patches="auto")
