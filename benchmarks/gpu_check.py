@@ -20,7 +20,9 @@ Sections (each prints its numbers; record them in docs/testing.md ("GPU check") 
 8. checkpoint offload (`VLMCP_OFFLOAD_CHECKPOINTS`): a checkpointed training step with and without it — step time
    (goal: at most 6 % slower), device peak, the host pool, gradients bit-identical;
 9. the tiled MLP (`tiles.py`): one Qwen3-VL-8B-sized decoder MLP over a long slice, forward + backward, in tiles
-   against whole — device peak, time, gradients.
+   against whole — device peak, time, gradients;
+10. the recomputed RMSNorms (`tiles.recomputed_norm_forward`): a Qwen3-VL-8B-sized norm over a long slice — the bytes
+   it keeps for backward, its step time and gradients, stock against recomputed in row tiles.
 """
 
 from __future__ import annotations
@@ -365,6 +367,45 @@ def tiled_mlp(setup: Setup) -> None:
               f"input gradient rel. error {rel_err(gx_tiled, gx_whole):.2e}, worst weight gradient {worst:.2e}")
 
 
+def recomputed_norm(setup: Setup) -> None:
+    """Section 10: one RMSNorm of Qwen3-VL-8B's width over a long slice, stock and recomputed in row tiles as the
+    package runs it under CP (`TokenwiseTiles`, the tiles of `recomputed_norm_forward`): what autograd keeps for
+    backward, the step time, the gradients."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
+
+    from vlmcp_patch.tiles import NORM_BACKWARD_WIDTH, NORMS, TokenwiseTiles, tile_bounds, tile_tokens
+
+    tokens, hidden = (4096, 64) if setup.dry_run else (131072, 4096)
+    setup.say(f"== 10. recomputed RMSNorm: {tokens} tokens of width {hidden}, stock and recomputed in row tiles")
+    norm = Qwen3VLTextRMSNorm(hidden).to(setup.device, setup.dtype)
+    x = torch.randn(tokens, hidden, device=setup.device, dtype=setup.dtype)
+    grad_out = torch.randn_like(x)
+    bounds = tile_bounds(tokens, tile_tokens(tokens, hidden, NORM_BACKWARD_WIDTH * hidden))
+    results = {}
+    for recomputed in (False, True):
+        kept: dict = {}  # storage -> bytes of what autograd keeps for backward
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        def step():
+            norm.zero_grad(set_to_none=True)
+            xs = x.detach().requires_grad_()
+            kept.clear()
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                out = TokenwiseTiles.apply(norm, bounds, NORMS, 1, xs, norm.weight) if recomputed else norm(xs)
+            out.backward(grad_out)
+            return xs.grad
+
+        seconds = _seconds(setup, step, 1 if setup.dry_run else 5)
+        results[recomputed] = (seconds, sum(kept.values()) / 2**30, step(), norm.weight.grad.clone())
+    (t_stock, kept_stock, gx_stock, gw_stock), (t_ours, kept_ours, gx_ours, gw_ours) = results[False], results[True]
+    setup.say(f"  {len(bounds)} tiles; kept for backward {kept_stock:.3f} -> {kept_ours:.3f} GiB; step {t_stock:.4f} s "
+              f"stock, {t_ours:.4f} s recomputed: x{t_ours / t_stock:.3f}; input gradient rel. error "
+              f"{rel_err(gx_ours, gx_stock):.2e}, weight gradient {rel_err(gw_ours, gw_stock):.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, fp32, torch paths, tiny sizes")
@@ -390,6 +431,7 @@ def main() -> None:
     if setup.rank == 0 and not (dist.is_initialized() and dist.get_world_size() > 1):
         checkpoint_offload(setup)  # one process: the sections measure one rank's step
         tiled_mlp(setup)
+        recomputed_norm(setup)
     setup.say("gpu_check: done")
     if dist.is_initialized():
         dist.barrier()

@@ -4,7 +4,8 @@ proportions, on a packed row of a given length: the step's peak and the longest 
     python -m benchmarks.memory [--model qwen3-vl|qwen3.5] [--sample text-heavy|image-heavy|video]
         [--tokens 8192] [--layers 12] [--scale 16] [--gradient-checkpointing] [--sizes 1 2 4 8] [--step sft|grpo]
         [--stock] [--heads 4] [--loops host device] [--mlp-tile-tokens auto|0|N]
-        [--vision-tile-patches auto|0|N] [--offload-checkpoints] [--vision-tiles-compare]
+        [--vision-tile-patches auto|0|N] [--offload-checkpoints] [--vision-tiles-compare] [--loss-chunk-tokens N]
+        [--no-recompute-norms]
     python -m benchmarks.memory --longest 400 [--sample ...] [--gradient-checkpointing]   # MiB per rank
 
 The model has the released model's vocabulary, heads and widths divided by `--scale` (1: the released widths;
@@ -165,7 +166,9 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, s
     if stock:
         vlmcp_patch.revert()
     vlmcp_patch.enable(cp_size=world_size, mlp_tile_tokens=args.mlp_tile_tokens,
-                       vision_tile_patches=args.vision_tile_patches, offload_checkpoints=args.offload_checkpoints)
+                       vision_tile_patches=args.vision_tile_patches, offload_checkpoints=args.offload_checkpoints,
+                       loss_chunk_tokens=getattr(args, "loss_chunk_tokens", None),
+                       recompute_norms=False if getattr(args, "no_recompute_norms", False) else None)
     results = {}
     for loop in args.loops:
         model.zero_grad(set_to_none=True)  # each loop's step allocates its gradients anew
@@ -410,6 +413,11 @@ def parser() -> argparse.ArgumentParser:
                         help="each P with the vision tower untiled and in tiles: peaks and their ratio")
     parser.add_argument("--offload-checkpoints", action="store_true",
                         help="the checkpoints in host memory (VLMCP_OFFLOAD_CHECKPOINTS; with --gradient-checkpointing)")
+    parser.add_argument("--loss-chunk-tokens", type=int,
+                        help="tokens per chunk of the fused head (default VLMCP_LOSS_CHUNK, else its automatic rule): "
+                        "a small chunk leaves the peak to the recomputed layer")
+    parser.add_argument("--no-recompute-norms", action="store_true",
+                        help="the RMSNorms keep their fp32 intermediates under CP (VLMCP_RECOMPUTE_NORMS=0)")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES),
                         help="the weights' and pixels' dtype (bf16: as a GPU trains; the head's logits stay fp32)")
     parser.add_argument("--dry-run", action="store_true", help="the tiny test models on short rows")

@@ -2,16 +2,18 @@
 
     python -m benchmarks.plan_check                 # memory (cached measurements), time, anchors
     python -m benchmarks.plan_check --measure       # measure memory first (benchmarks.plan_measure, ~10 min)
-    python -m benchmarks.plan_check --fit           # print the activation constants fitted at P=1
+    python -m benchmarks.plan_check --fit           # print the fitted activation constants
     python -m benchmarks.plan_check --no-time       # skip the timed steps (memory and anchors only)
 
 1. **Memory.** The memory benchmark's models (Qwen3-VL-2B and Qwen3.5 proportions, widths / 16, two decoder
    layers, three vision blocks), rows of 2,048 tokens, text-heavy and image-heavy, checkpointing off and on, at
    P = 1, 2, 4, 6, 8 (`benchmarks.plan_measure` runs `benchmarks.memory.measure` and caches the busiest rank's
-   peak in benchmarks/data/plan_memory.json: the run docs/plan.md reports). The model's activation constants are
-   fitted on the P = 1 points only (least squares of the relative error); P = 2, 4, 6, 8 are predictions.
-   Compared: what the benchmark counts — activations, the head, exchange buffers and the batch on the device, not
-   weights or gradients.
+   peak in benchmarks/data/plan_memory.json: the run docs/plan.md reports). The saved activations' constants are
+   fitted on its P = 1 points (least squares of the relative error); P = 2, 4, 6, 8 are predictions. The recomputed
+   layer's are fitted on the rows whose peak is that layer (`plan_measure --work`, benchmarks/data/plan_work.json:
+   8,192 tokens, the checkpoints offloaded, the head's chunk at 64 tokens) at P = 1 (MLPs whole) and 2 (in tiles);
+   their P = 4 is a prediction. Compared: what the benchmark counts — activations, the head, exchange buffers and
+   the batch on the device (the rank's pixel values with it), not weights or gradients.
 2. **Time.** One short calibration on this CPU (one thread: a matmul's and attention's FLOP/s at the benchmark's
    shapes, gloo's all-to-all bandwidth between two processes), then one training step per layout of a Qwen3-VL
    model at a quarter of the widths (2,048 tokens; P = 1, 2 (2 x 1), 3 (1 x 3), 4 (4 x 1), 6 (2 x 3)): predicted
@@ -44,6 +46,8 @@ from vlmcp_patch.planning import (
 
 MIB = 2**20
 MEMORY_CACHE = "benchmarks/data/plan_memory.json"  # this repository's run (docs/plan.md); --measure redoes it
+WORK_CACHE = "benchmarks/data/plan_work.json"  # the recomputed layer's rows (`benchmarks.plan_measure --work`)
+WORK_BF16_CACHE = "benchmarks/data/plan_work_bf16.json"  # the same in bf16, Qwen3-VL (a check: nothing is fitted on it)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -84,30 +88,36 @@ def predicted_peak(point: dict, constants: Constants, cache: dict) -> float:
     if key not in cache:
         dims = benchmark_dims(point["model"], point["layers"])
         cache[key] = (dims, *benchmark_row(point["sample"], point["tokens"], dims.patch))
-    dims, row, pixels = cache[key]
-    # the cached runs had whole MLPs (before the package's tiles); the benchmark leaves parameter gradients out of
-    # its count, and the head weight's fp32 gradient becomes that parameter's .grad
-    training = Training(sharding="none", gradient_checkpointing=point["gc"], bytes_per_value=4, attention="sdpa",
-                        tiled_mlp=point.get("tiled_mlp", False))
+    dims, row, _ = cache[key]
+    # the first cached runs had whole MLPs and stock norms (before the package's tiles and recomputed norms); the
+    # benchmark leaves parameter gradients out of its count, and the head weight's fp32 gradient becomes that
+    # parameter's .grad
+    bf16 = point.get("dtype") == "bf16"  # the benchmark's head is frozen (tied embeddings): no fp32 copy of a chunk
+    training = Training(sharding="none", gradient_checkpointing=point["gc"], bytes_per_value=2 if bf16 else 4,
+                        attention="sdpa", frozen_head=True,
+                        tiled_mlp=point.get("tiled_mlp", False), offload_checkpoints=point.get("offload", False),
+                        loss_chunk=point.get("loss_chunk", 0), recompute_norms=point.get("recompute_norms", False))
     size = point["P"]
     from vlmcp_patch.planning import package_ulysses
 
     memory = activation_memory(dims, row, training, constants, size, package_ulysses(dims, size))
     memory.head_weight = 0.0
-    return memory.total + (pixels if size == 1 else 0)
+    return memory.total
 
 
-def fit(points: list[dict], cache: dict) -> Constants:
-    """Constants that minimise the squared relative error at P = 1 (coordinate search; three per checkpointing mode:
-    attention, DeltaNet and vision, without checkpointing on the saved activations, with it on the working set).
+def fit(points: list[dict], cache: dict, work: list[dict] = ()) -> Constants:
+    """Constants that minimise the squared relative error (coordinate search). Without checkpointing: `attention`,
+    `deltanet`, `vision` on the P = 1 points. With it: the working-set constants on the P = 1 points and on `work`'s
+    rows at P = 1 and 2 (`WORK_CACHE`: their peak is the recomputed layer; at P = 1 its MLP runs whole, at P = 2
+    in tiles, which separates `mlp_work` from `attention_work` / `deltanet_work`; their P = 4 is a prediction).
     Each constant is scanned on a grid first, then refined by golden section around the best grid point: a working
     set below the head's chunk leaves the error flat in its constant, and a bare golden section can stop there."""
     base = [p for p in points if p["P"] == 1]
     constants = Constants()
     grid = [0.05 * (8.0 / 0.05) ** (i / 199) for i in range(200)]
     for gc, names in ((False, ("attention", "deltanet", "vision")),
-                      (True, ("attention_work", "deltanet_work", "vision_work"))):
-        mine = [p for p in base if p["gc"] == gc]
+                      (True, ("attention_work", "deltanet_work", "vision_work", "mlp_work"))):
+        mine = [p for p in base if p["gc"] == gc] + ([p for p in work if p["P"] <= 2] if gc else [])
 
         def loss(c):
             return sum((predicted_peak(p, c, cache) / p["peak"] - 1) ** 2 for p in mine)
@@ -127,23 +137,30 @@ def fit(points: list[dict], cache: dict) -> Constants:
 
 
 def memory_check(points: list[dict], constants: Constants, cache: dict) -> list[tuple]:
+    """(model, sample, checkpointing, P, measured MiB, predicted MiB, relative error, norms) per point; norms:
+    "recomputed" or "kept" where the point says (`plan_measure --work`), else ""."""
     rows = []
-    for p in sorted(points, key=lambda p: (p["model"], p["sample"], p["gc"], p["P"])):
+    for p in sorted(points, key=lambda p: (p["model"], p["sample"], p["gc"], p["P"], not p.get("recompute_norms"))):
         predicted = predicted_peak(p, constants, cache)
+        norms = "" if "recompute_norms" not in p else "recomputed" if p["recompute_norms"] and p["P"] > 1 else "kept"
         rows.append((p["model"], p["sample"], "on" if p["gc"] else "off", p["P"], p["peak"] / MIB,
-                     predicted / MIB, predicted / p["peak"] - 1))
+                     predicted / MIB, predicted / p["peak"] - 1, norms))
     return rows
 
 
-def print_memory(rows: list[tuple], constants: Constants) -> None:
-    print("== memory: predicted vs measured per-rank peak (MiB; the memory benchmark's count)")
-    print("constants fitted at P=1: " + ", ".join(f"{k} {v:.3f}" for k, v in constants.__dict__.items()))
-    print(f"{'model':9s} {'sample':12s} {'GC':>3} {'P':>2} {'measured':>9} {'predicted':>9} {'error':>7}")
-    for model, sample, gc, size, measured, predicted, error in rows:
-        print(f"{model:9s} {sample:12s} {gc:>3} {size:>2} {measured:>9.1f} {predicted:>9.1f} {error:>+7.1%}")
+def print_memory(rows: list[tuple], constants: Constants, title: str = "") -> None:
+    print("== memory: predicted vs measured per-rank peak (MiB; the memory benchmark's count)"
+          + (f": {title}" if title else ""))
+    print("fitted constants: " + ", ".join(f"{k} {v:.3f}" for k, v in constants.__dict__.items()))
+    norms = any(r[7] for r in rows)
+    print(f"{'model':9s} {'sample':12s} {'GC':>3} {'P':>2}" + (f" {'norms':>10}" if norms else "")
+          + f" {'measured':>9} {'predicted':>9} {'error':>7}")
+    for model, sample, gc, size, measured, predicted, error, kind in rows:
+        print(f"{model:9s} {sample:12s} {gc:>3} {size:>2}" + (f" {kind:>10}" if norms else "")
+              + f" {measured:>9.1f} {predicted:>9.1f} {error:>+7.1%}")
     checked = [r for r in rows if r[3] > 1]
     within = sum(abs(r[6]) <= 0.10 for r in checked)
-    print(f"P > 1 (predictions): {within} of {len(checked)} within 10 %; worst {max(abs(r[6]) for r in checked):.1%}")
+    print(f"P > 1: {within} of {len(checked)} within 10 %; worst {max(abs(r[6]) for r in checked):.1%}")
     for size in sorted({r[3] for r in checked}):
         errs = [abs(r[6]) for r in checked if r[3] == size]
         print(f"  P={size}: worst {max(errs):.1%}, mean {sum(errs) / len(errs):.1%}")
@@ -165,8 +182,10 @@ ALST_STEPS = {
 
 def alst_training(**features) -> Training:
     """ALST's setup with the package's own features: its fused chunked head for the tiled loss, its MLP tiles, its
-    checkpoint offload."""
-    return Training(sharding="zero3", gradient_checkpointing=True, offload_optimizer=True, **features)
+    checkpoint offload. Not its recomputed RMSNorms, which no ALST step lists (the norms kept as transformers keeps
+    them); `anchors` prints the last step with them too."""
+    return Training(sharding="zero3", gradient_checkpointing=True, offload_optimizer=True,
+                    **{"recompute_norms": False, **features})
 
 
 def alst_predictions() -> dict[str, tuple[int, float]]:
@@ -183,6 +202,12 @@ def anchors() -> list[str]:
     for name, (ours, published) in alst_predictions().items():
         out.append(f"  {name:36s} predicted {ours / 1e6:.2f}M tokens, published {published / 1e6:.1f}M "
                    f"({ours / published - 1:+.0%})")
+    from vlmcp_patch.planning import longest_row
+
+    features, published = ALST_STEPS["+ both"]
+    ours = longest_row("llama-3.1-8b", "text", "h100", 8, alst_training(**features, recompute_norms=True)).tokens
+    out.append(f"  {'+ both, the norms recomputed':36s} predicted {ours / 1e6:.2f}M tokens (a feature of this package "
+               "no ALST step lists)")
     # Hugging Face Ulysses blog: Qwen3-4B, 4 H100, ZeRO-3, checkpointing; 96K fits (~66 GB), 128K does not.
     blog = Training(sharding="zero3", gradient_checkpointing=True, stock_head=True)
     for tokens in (98304, 131072):
@@ -338,7 +363,7 @@ def time_check() -> list[str]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", action="store_true", help="run benchmarks.plan_measure first")
-    parser.add_argument("--fit", action="store_true", help="print the constants fitted at P=1 and stop")
+    parser.add_argument("--fit", action="store_true", help="print the fitted constants and stop")
     parser.add_argument("--no-time", action="store_true", help="skip the timed steps")
     parser.add_argument("--cache", default=MEMORY_CACHE)
     args = parser.parse_args(argv)
@@ -348,13 +373,16 @@ def main(argv=None) -> None:
         if args.measure and os.path.exists(args.cache):
             os.remove(args.cache)  # plan_measure keeps what a file holds: start afresh
         plan_measure.main(["--out", args.cache])
-    points = json.load(open(args.cache))
+    points, work = json.load(open(args.cache)), json.load(open(WORK_CACHE))
     cache: dict = {}
-    constants = fit(points, cache)
+    constants = fit(points, cache, work)
     if args.fit:
         print(repr(constants))
         return
     print_memory(memory_check(points, constants, cache), constants)
+    print_memory(memory_check(work, constants, cache), constants, "the recomputed layer's rows (P = 4 a prediction)")
+    print_memory(memory_check(json.load(open(WORK_BF16_CACHE)), constants, cache), constants,
+                 "the same rows in bf16 (predictions: the constants are fp32 fits)")
     print(f"(the package's CALIBRATED constants: {CALIBRATED})")
     for line in anchors():
         print(line)

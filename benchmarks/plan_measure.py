@@ -1,6 +1,8 @@
 """Measure the per-rank peak of the memory benchmark's models for `benchmarks.plan_check` (a cache of one run).
 
     python -m benchmarks.plan_measure [--out benchmarks/data/plan_memory.json] [--tokens 2048] [--layers 2]
+    python -m benchmarks.plan_measure --work      # the recomputed layer's rows (benchmarks/data/plan_work.json)
+    python -m benchmarks.plan_measure --work --dtype bf16 --models qwen3-vl --out benchmarks/data/plan_work_bf16.json
 
 Each (model, sample, checkpointing, P) is one `benchmarks.memory.measure` run: the busiest rank's peak of live
 bytes (parameter gradients left out, the batch's device bytes in), as that benchmark counts it. Results are
@@ -20,42 +22,74 @@ from tests.helpers.harness import run_distributed
 SIZES = (1, 2, 4, 6, 8)
 
 
-def memory_args(model: str, sample: str, gc: bool, tokens: int, layers: int) -> argparse.Namespace:
+# The rows whose peak is the recomputed layer (`--work`): checkpointing with the checkpoints offloaded and the head's
+# chunk at 64 tokens, so neither the checkpoints nor the head's chunk sets the peak; 8,192 tokens, so that the MLPs
+# run in tiles at P = 2 and 4 (at least `tiles.MIN_TILE` tokens each) while P = 1 runs them whole; under CP each row
+# with the RMSNorms recomputed (the package's default) and kept whole (`--no-recompute-norms`)
+WORK = {"out": "benchmarks/data/plan_work.json", "tokens": 8192, "layers": 4, "sizes": [1, 2, 4], "offload": True,
+        "loss_chunk": 64}
+
+
+def memory_args(model: str, sample: str, gc: bool, tokens: int, layers: int, offload: bool = False,
+                loss_chunk: int = 0, recompute_norms: bool = True, dtype: str = "fp32") -> argparse.Namespace:
     """The options of `benchmarks.memory` for one run (widths / 16, three vision blocks, the integrations' loop)."""
     argv = ["--model", model, "--sample", sample, "--tokens", str(tokens), "--layers", str(layers), "--scale", "16",
-            "--loops", "host", *(["--gradient-checkpointing"] if gc else [])]
+            "--loops", "host", "--loss-chunk-tokens", str(loss_chunk), "--dtype", dtype,
+            *(["--gradient-checkpointing"] if gc else []),
+            *(["--offload-checkpoints"] if offload else []), *([] if recompute_norms else ["--no-recompute-norms"])]
     return memory.parser().parse_args(argv)
+
+
+def runs(args) -> list[dict]:
+    """The (model, sample, checkpointing, P and options) of each run asked for."""
+    out = []
+    for model in args.models:
+        for sample in args.samples:
+            for gc in (True,) if args.work else (False, True):
+                for size in args.sizes:
+                    if not args.work:
+                        out.append({"model": model, "sample": sample, "gc": gc, "P": size})
+                        continue
+                    for recompute in (True,) if size == 1 else (True, False):  # P = 1 never recomputes them
+                        out.append({"model": model, "sample": sample, "gc": gc, "P": size, "offload": WORK["offload"],
+                                    "loss_chunk": WORK["loss_chunk"], "tiled_mlp": True, "recompute_norms": recompute})
+    return out
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/data/plan_memory.json")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--out", help="the JSON file (default benchmarks/data/plan_memory.json, with --work "
+                        "benchmarks/data/plan_work.json)")
+    parser.add_argument("--tokens", type=int, help="the row's length (default 2,048; with --work 8,192)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default 2; with --work 4)")
     parser.add_argument("--models", nargs="+", default=["qwen3-vl", "qwen3.5"])
     parser.add_argument("--samples", nargs="+", default=["text-heavy", "image-heavy"])
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument("--sizes", type=int, nargs="+", help="CP sizes (default 1 2 4 6 8; with --work 1 2 4)")
+    parser.add_argument("--work", action="store_true", help="the recomputed layer's rows (`WORK`), checkpointing on")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the weights' and pixels' dtype")
     args = parser.parse_args(argv)
+    defaults = WORK if args.work else {"tokens": 2048, "layers": 2, "sizes": list(SIZES)}
+    for name in ("tokens", "layers", "sizes"):
+        setattr(args, name, getattr(args, name) or defaults[name])
+    args.out = args.out or (WORK["out"] if args.work else "benchmarks/data/plan_memory.json")
     done = json.load(open(args.out)) if os.path.exists(args.out) else []
-    seen = {(r["model"], r["sample"], r["gc"], r["P"]) for r in done}
-    for model in args.models:
-        for sample in args.samples:
-            for gc in (False, True):
-                for size in args.sizes:
-                    if (model, sample, gc, size) in seen:
-                        continue
-                    start = time.perf_counter()
-                    ns = memory_args(model, sample, gc, args.tokens, args.layers)
-                    ranks = [r["host"] for r in run_distributed(memory.measure, size, ns, args.tokens, False, timeout=3600)]
-                    busiest = max(ranks, key=lambda r: r["peak"])
-                    done.append({"model": model, "sample": sample, "gc": gc, "P": size, "tokens": args.tokens,
-                                 "layers": args.layers, "peak": busiest["peak"], "saved": busiest["saved"],
-                                 "patches": busiest["all_patches"],
-                                 "tokens_per_rank": busiest["tokens_per_rank"]})
-                    with open(args.out, "w") as f:
-                        json.dump(done, f, indent=1)
-                    print(f"{model} {sample} gc={gc} P={size}: {busiest['peak'] / 2**20:.1f} MiB "
-                          f"({time.perf_counter() - start:.0f} s)", flush=True)
+    keys = ("model", "sample", "gc", "P", "recompute_norms")
+    seen = {tuple(r.get(k) for k in keys) for r in done}
+    for run in runs(args):
+        if tuple(run.get(k) for k in keys) in seen:
+            continue
+        start = time.perf_counter()
+        options = {k: run[k] for k in ("offload", "loss_chunk", "recompute_norms") if k in run}
+        options["dtype"] = run["dtype"] = args.dtype
+        ns = memory_args(run["model"], run["sample"], run["gc"], args.tokens, args.layers, **options)
+        ranks = [r["host"] for r in run_distributed(memory.measure, run["P"], ns, args.tokens, False, timeout=3600)]
+        busiest = max(ranks, key=lambda r: r["peak"])
+        done.append({**run, "tokens": args.tokens, "layers": args.layers, "peak": busiest["peak"],
+                     "saved": busiest["saved"], "patches": busiest["all_patches"],
+                     "tokens_per_rank": busiest["tokens_per_rank"], **({"host": busiest["host"]} if args.work else {})})
+        with open(args.out, "w") as f:
+            json.dump(done, f, indent=1)
+        print(f"{run}: {busiest['peak'] / 2**20:.1f} MiB ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,17 @@ def test_plan_measure_caches_one_measured_peak_per_run(tmp_path):
     assert all(r["peak"] > 0 for r in records.values()), records
     for gc in (False, True):
         assert records[gc, 2]["tokens_per_rank"] == records[gc, 1]["tokens_per_rank"] / 2, records
+
+
+def test_plan_measure_work_runs_each_cp_row_with_the_norms_recomputed_and_kept(tmp_path):
+    """`--work` (the rows the working-set constants are fitted on): checkpointing with offload and the head's chunk
+    at 64 tokens; under CP each row twice, the RMSNorms recomputed and kept; P = 1 once (it never recomputes them)."""
+    out = tmp_path / "plan_work.json"
+    args = ["--work", "--out", str(out), "--tokens", "2048", "--layers", "1", "--models", "qwen3-vl", "--samples",
+            "text-heavy", "--sizes", "1", "2"]
+    run = launch(ROOT / "benchmarks" / "plan_measure.py", args, launcher="python")
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = {(r["P"], r["recompute_norms"]): r for r in json.loads(out.read_text())}
+    assert set(records) == {(1, True), (2, True), (2, False)}, records
+    assert all(r["gc"] and r["offload"] and r["loss_chunk"] == 64 and r["peak"] > 0 for r in records.values())
+    assert records[2, True]["peak"] < records[2, False]["peak"], records

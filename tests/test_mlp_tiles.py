@@ -1,6 +1,6 @@
 """The decoder and vision MLPs (dense and MoE experts) in sequence tiles under CP (`vlmcp_patch/tiles.py`): exact
 against stock at P=1 with several tiles really run, each parameter's gradient accumulated once per backward, and
-nothing changed with CP off."""
+nothing changed with CP off. The same runs recompute the decoder's RMSNorms (`test_norms.py` for their tiles)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.helpers.cases import stock_cuts_the_row
 from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL
 from tests.helpers.tile_cases import CASES, run_tile_cases, stock_step
-from vlmcp_patch.tiles import TILES, TokenwiseTiles, tile_bounds, tile_tokens
+from vlmcp_patch.tiles import NORMS, TILES, TokenwiseTiles, tile_bounds, tile_tokens
 
 
 def tiles_run(cp_size: int):
@@ -32,6 +32,8 @@ def test_tiled_mlps_equal_stock(cp_size, once):
             # every tiled call cut its tokens in at least two tiles; on average several
             assert tiles["calls"] > 0 and tiles["forward_tiles"] >= 3 * tiles["calls"], (where, tiles)
             assert tiles["backward_tiles"] > 0, (where, tiles)
+            norms = m["norms"]  # every family's RMSNorms went through the recompute, forward and backward
+            assert norms["calls"] > 0 and norms["backward_tiles"] > 0, (where, norms)
             # one accumulation per parameter per backward: stock's, then CP's
             assert m["accumulations"] == [2], (where, m["accumulations"])
 
@@ -48,11 +50,12 @@ def test_cp_off_is_stock_bit_for_bit(reapply):
     vlmcp_patch.apply()
     vlmcp_patch.enable(cp_size=1, mlp_tile_tokens=2)
     TILES.drain()
+    NORMS.drain()
     try:
         loss, grads = stock_step(model, batch)
     finally:
         vlmcp_patch.enable(mlp_tile_tokens="auto")
-    assert TILES.drain()["calls"] == 0
+    assert TILES.drain()["calls"] == 0 and NORMS.drain()["calls"] == 0
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
 
@@ -71,7 +74,7 @@ def test_tiles_sum_each_parameter_gradient_before_delivering_it():
     for p in mlp.parameters():
         p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
     TILES.drain()
-    TokenwiseTiles.apply(mlp.forward, tile_bounds(37, 8), 1, x, *mlp.parameters()).square().sum().backward()
+    TokenwiseTiles.apply(mlp.forward, tile_bounds(37, 8), TILES, 1, x, *mlp.parameters()).square().sum().backward()
     assert TILES.drain() == {"calls": 1, "forward_tiles": 5, "backward_tiles": 5}
     assert len(fired) == 4  # two weights, two biases: once each
     for got, want in zip([p.grad for p in mlp.parameters()] + [x.grad], expected):

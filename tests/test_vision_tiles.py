@@ -135,11 +135,49 @@ def test_tiles_equal_the_whole_tower_with_pixel_gradients():
     tiles = plan_tiles(grid.tolist(), budget=3 * 16, merge_unit=4)
     encode = _TiledOutput()
     VISION_TILES.drain()
+    placement = {"device": pixels.device, "dtype": pixels.dtype}
     tiled = VisionTiles.apply(lambda tile, rows: encode.joined(tower(rows, grid_thw=torch.tensor(tile.grid))), tower,
-                              tiles, pixels, None, *tower.parameters())
+                              tiles, placement, pixels, None, *tower.parameters())
     (tiled * weights).sum().backward()
     assert len(tiles) == 3 and VISION_TILES.drain() == {"calls": 1, "forward_tiles": 3, "backward_tiles": 3}
     torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-6)
     assert len(fired) == len(list(tower.parameters()))  # once each
     for got, want in zip([p.grad for p in tower.parameters()] + [pixels.grad], expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_each_tile_moves_its_own_pixel_rows_when_it_runs():
+    """Pixels where the tower is not (the host under CP; here another dtype, which moves them the same way): each
+    tile's rows are moved to the tower's device and dtype when the tile runs, in forward and again in its recompute,
+    so no copy of the whole share is ever made; the features equal the whole tower's on the moved pixels."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.helpers.vision_tile_cases import VIDEO_GROUPS, _model_and_batch
+    from vlmcp_patch.forward.vision import _joined_features, _TiledOutput
+    from vlmcp_patch.vision_tiles import VisionTiles
+
+    model, batch = _model_and_batch("qwen3_vl", False, VIDEO_GROUPS)
+    tower = model.model.visual
+    pixels, grid = batch["pixel_values_videos"].double(), batch["video_grid_thw"]  # "the host's": float64
+    whole = _joined_features(tower(pixels.float(), grid_thw=grid))
+
+    class Moves(TorchDispatchMode):
+        rows: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float64:
+                self.rows.append(out.shape[0])
+            return out
+
+    tiles = plan_tiles(grid.tolist(), budget=3 * 16, merge_unit=4)
+    encode = _TiledOutput()
+    with Moves() as moves:
+        tiled = VisionTiles.apply(lambda tile, rows: encode.joined(tower(rows, grid_thw=torch.tensor(tile.grid))),
+                                  tower, tiles, {"device": pixels.device, "dtype": torch.float32}, pixels, None,
+                                  *tower.parameters())
+        tiled.sum().backward()
+    per_tile = [tile.rows[1] - tile.rows[0] for tile in tiles]
+    assert moves.rows == per_tile + per_tile  # forward, then the recompute: a tile's rows each time
+    assert max(moves.rows) < pixels.shape[0]
+    torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_MATCH_VISION_PASSES` | `match_vision_passes` | CP only | placeholder vision passes, replicas without images |
 | `VLMCP_LOSS_CHUNK` | `loss_chunk_tokens` | auto | tokens per chunk of the chunked LM head + loss under CP |
 | `VLMCP_MLP_TILE_TOKENS` | `mlp_tile_tokens` | auto | tokens per tile of the MLPs under CP (`tiles.py`; 0: off) |
+| `VLMCP_RECOMPUTE_NORMS` | `recompute_norms` | on | under CP the RMSNorms keep their input only (`tiles.py`) |
 | `VLMCP_VISION_TILE_PATCHES` | `vision_tile_patches` | auto | patches per tile of the vision tower under CP (`vision_tiles.py`; 0: off) |
 | `VLMCP_OFFLOAD_CHECKPOINTS` | `offload_checkpoints` | off | the layers' checkpoints kept on the host (`offload.py`) |
 | `VLMCP_SPLIT_ROLLOUTS` | `split_rollouts` | off | TRL's RL rollouts: each rank of a CP group generates its share |
@@ -94,6 +95,9 @@ class Settings:
     # Tokens per tile of the decoder and vision MLPs under CP (`tiles.py`): AUTO sizes them from the slice and the
     # MLP's widths (`tiles.tile_tokens`); 0 runs them untiled. Exact either way; CP off never tiles.
     mlp_tile_tokens: int | str = AUTO
+    # Under CP the decoder's RMSNorms keep only their input for backward and are recomputed there (`tiles.py`): the
+    # fp32 copies transformers' norms keep are most of a bf16 layer's working set after the MLP's. Exact either way.
+    recompute_norms: bool = True
     # Patches per tile of the vision tower under CP, by items (`vision_tiles.py`): the rank's images and temporal
     # patch groups run through the whole tower in tiles of whole groups, only the merged and deepstack features kept,
     # each tile recomputed in backward. AUTO sizes them from the rank's patches and the tower's widths
@@ -118,8 +122,9 @@ class Settings:
             if tile != AUTO and (not isinstance(tile, int) or isinstance(tile, bool) or tile < 0):
                 raise UnsupportedSetupError(
                     f"{name} must be a non-negative integer (0: untiled) or {AUTO!r}, got {tile!r}")
-        if not isinstance(self.offload_checkpoints, bool):
-            raise UnsupportedSetupError(f"offload_checkpoints must be True or False, got {self.offload_checkpoints!r}")
+        for name in ("offload_checkpoints", "recompute_norms"):
+            if not isinstance(getattr(self, name), bool):
+                raise UnsupportedSetupError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout < 0:
             raise UnsupportedSetupError(f"timeout must be a number of seconds >= 0, got {self.timeout!r}")
 
@@ -137,6 +142,7 @@ def _from_environment() -> Settings:
         debug_collectives=env_flag("VLMCP_DEBUG_COLLECTIVES"),
         ring_overlap=env_flag("VLMCP_RING_OVERLAP", True),
         mlp_tile_tokens=env_tokens("VLMCP_MLP_TILE_TOKENS"),
+        recompute_norms=env_flag("VLMCP_RECOMPUTE_NORMS", True),
         vision_tile_patches=env_tokens("VLMCP_VISION_TILE_PATCHES"),
         offload_checkpoints=env_flag("VLMCP_OFFLOAD_CHECKPOINTS"),
     )
@@ -160,6 +166,7 @@ def enable(
     debug_collectives: bool | None = None,
     ring_overlap: bool | None = None,
     mlp_tile_tokens: int | str | None = None,
+    recompute_norms: bool | None = None,
     vision_tile_patches: int | str | None = None,
     offload_checkpoints: bool | None = None,
 ) -> Settings:
@@ -179,6 +186,7 @@ def enable(
         "debug_collectives": debug_collectives,
         "ring_overlap": ring_overlap,
         "mlp_tile_tokens": mlp_tile_tokens,
+        "recompute_norms": recompute_norms,
         "vision_tile_patches": vision_tile_patches,
         "offload_checkpoints": offload_checkpoints,
     }

@@ -16,6 +16,13 @@ read every weight for a few rows. A slice of one tile runs the stock forward, un
 
 Only under CP (`cp_size() > 1`): with CP off every MLP runs stock. Not while torch.compile traces (the compiled graph
 keeps the stock MLP).
+
+The decoder's RMSNorms take the same path (`recomputed_norm_forward`): transformers' norms compute in fp32, and
+autograd keeps an fp32 copy of the input and the normalized input (in bf16 also its cast back) — three times the
+input's bytes in bf16, per norm, for the whole layer's backward. Run through `TokenwiseTiles`, a norm keeps its input
+only and is recomputed in backward, in tiles of rows, so that its fp32 intermediates and their gradients (about six
+fp32 values per number) are one tile's. Each row runs the stock ops, so values and input gradients are the stock
+ones; the weight's gradient is summed over the tiles. `VLMCP_RECOMPUTE_NORMS=0` turns it off; CP off never does it.
 """
 
 from __future__ import annotations
@@ -50,37 +57,46 @@ def tile_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
 
 
 TILES = TileCounts()
+NORMS = TileCounts(facts_key="cp_recomputed_norms")  # telemetry of `recomputed_norm_forward` (tests read it)
+# An RMSNorm's backward holds about this many fp32 values per normalized number at once (the input's fp32 copy, the
+# normalized input, their gradients): its tiles are sized like an MLP's with this intermediate width
+NORM_BACKWARD_WIDTH = 6
 
 
 class TokenwiseTiles(torch.autograd.Function):
     """`fn(*tiled)` computed tile by tile: the rows `a:b` of the output are `fn(*(t[a:b] for t in tiled))`.
 
-    Inputs: `fn` (token-wise; reads `params`), `bounds` (the tiles, `tile_bounds`), `num_tiled`, then the `tiled`
-    tensors (tokens on dim 0, same length; integer ones get no gradient) and the `params` fn reads. Output: (tokens,
-    ...), as fn's. Saves the tiled inputs only; backward recomputes tile by tile and returns each parameter's gradient
-    summed over the tiles (module docstring)."""
+    Inputs: `fn` (token-wise; reads `params`), `bounds` (the tiles, `tile_bounds`; one tile: the whole, run once and
+    recomputed in backward), `counts` (the `TileCounts` it reports to), `num_tiled`, then the `tiled` tensors (tokens
+    on dim 0, same length; integer ones get no gradient) and the `params` fn reads. Output: (tokens, ...), as fn's.
+    Saves the tiled inputs only; backward recomputes tile by tile and returns each parameter's gradient summed over
+    the tiles (module docstring)."""
 
     @staticmethod
-    def forward(ctx, fn: Callable, bounds: Sequence[tuple[int, int]], num_tiled: int, *inputs):
+    def forward(ctx, fn: Callable, bounds: Sequence[tuple[int, int]], counts: TileCounts, num_tiled: int, *inputs):
         tiled = inputs[:num_tiled]
-        ctx.fn, ctx.bounds, ctx.params = fn, bounds, inputs[num_tiled:]
+        ctx.fn, ctx.bounds, ctx.counts, ctx.params = fn, bounds, counts, inputs[num_tiled:]
         ctx.autocast = autocast_of(tiled[0].device)
         ctx.save_for_backward(*tiled)
-        out = None
-        for a, b in bounds:
-            piece = fn(*(t[a:b] for t in tiled))
-            if out is None:
-                out = piece.new_empty((bounds[-1][1], *piece.shape[1:]))
-            out[a:b] = piece
-            TILES.forward_tiles += 1
-        TILES.calls += 1
+        if len(bounds) == 1:  # the whole at once: fn's own output, no copy
+            out = fn(*tiled)
+        else:
+            out = None
+            for a, b in bounds:
+                piece = fn(*(t[a:b] for t in tiled))
+                if out is None:
+                    out = piece.new_empty((bounds[-1][1], *piece.shape[1:]))
+                out[a:b] = piece
+        counts.forward_tiles += len(bounds)
+        counts.calls += 1
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         tiled, params = ctx.saved_tensors, ctx.params
-        wants = ctx.needs_input_grad[3:]
-        tiled_grads = [torch.zeros_like(t) if want else None for t, want in zip(tiled, wants)]
+        wants = ctx.needs_input_grad[4:]
+        whole = len(ctx.bounds) == 1
+        tiled_grads = [None if whole or not want else torch.zeros_like(t) for t, want in zip(tiled, wants)]
         param_grads: list[torch.Tensor | None] = [None] * len(params)
         for a, b in ctx.bounds:
             pieces = [t[a:b].detach().requires_grad_(want) for t, want in zip(tiled, wants)]
@@ -88,17 +104,21 @@ class TokenwiseTiles(torch.autograd.Function):
                 out = ctx.fn(*pieces)
             sources = [(i, x) for i, (x, want) in enumerate(zip([*pieces, *params], wants)) if want]
             grads = torch.autograd.grad(out, [x for _, x in sources], grad_out[a:b], allow_unused=True)
+            del out, pieces  # the tile's recomputed intermediates go before the next tile's
             for (i, _), grad in zip(sources, grads):
                 if grad is None:
                     continue
-                if i < len(pieces):
-                    tiled_grads[i][a:b] = grad
-                elif param_grads[i - len(pieces)] is None:
-                    param_grads[i - len(pieces)] = grad
+                if i < len(tiled):
+                    if whole:
+                        tiled_grads[i] = grad
+                    else:
+                        tiled_grads[i][a:b] = grad
+                elif param_grads[i - len(tiled)] is None:
+                    param_grads[i - len(tiled)] = grad
                 else:
-                    param_grads[i - len(pieces)] += grad
-            TILES.backward_tiles += 1
-        return None, None, None, *tiled_grads, *param_grads
+                    param_grads[i - len(tiled)] += grad
+            ctx.counts.backward_tiles += 1
+        return None, None, None, None, *tiled_grads, *param_grads
 
 
 def tiling_applies() -> bool:
@@ -115,7 +135,7 @@ def run_in_tiles(fn: Callable, tiled: Sequence[torch.Tensor], module: torch.nn.M
     if size >= tokens or _zero3_gathers_per_child_call(module):
         return None
     params = [p for p in module.parameters() if p.requires_grad]
-    return TokenwiseTiles.apply(fn, tile_bounds(tokens, size), len(tiled), *tiled, *params)
+    return TokenwiseTiles.apply(fn, tile_bounds(tokens, size), TILES, len(tiled), *tiled, *params)
 
 
 # The dense MLP classes the families tile (`models/base.mlp_patches`): their forward calls child Linear modules. Those
@@ -193,3 +213,26 @@ def tiled_experts_forward(wrapped, instance, args, kwargs):
     width = 4 * index.shape[-1] * _intermediate_size(instance, hidden.shape[-1])
     out = run_in_tiles(wrapped, [hidden, index, weights], instance, hidden.shape[-1], width)
     return wrapped(*args, **kwargs) if out is None else out
+
+
+def norms_recompute_applies() -> bool:
+    """Whether the RMSNorms run as recomputed tiles now: under CP, recompute on, a graph being recorded, not while
+    torch.compile traces."""
+    return (cp_size() > 1 and SETTINGS.recompute_norms and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
+def recomputed_norm_forward(wrapped, instance, args, kwargs):
+    """The wrapper of an RMSNorm's forward `(hidden_states) -> y`, row-wise over the last dim: under CP
+    (`norms_recompute_applies`) it keeps only its input for backward and is recomputed there, in tiles of rows
+    (module docstring)."""
+    if not norms_recompute_applies():
+        return wrapped(*args, **kwargs)
+    x = _single_input(args, kwargs)
+    params = [p for p in instance.parameters() if p.requires_grad]
+    if not params and not x.requires_grad:
+        return wrapped(*args, **kwargs)
+    rows = x.reshape(-1, x.shape[-1])  # q and k norms normalize each head: a row per token and head
+    size = tile_tokens(rows.shape[0], rows.shape[1], NORM_BACKWARD_WIDTH * rows.shape[1])
+    out = TokenwiseTiles.apply(wrapped, tile_bounds(rows.shape[0], size), NORMS, 1, rows, *params)
+    return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -178,25 +178,27 @@ class VisionTiles(torch.autograd.Function):
     """`encode(tile, pixels[tile.rows])` for each tile, its rows of the output at `tile.merged`.
 
     Inputs: `encode` (the tower on one tile: (patches, width) -> joined features (merged tokens, features); reads
-    `params`), `tower` (its checkpointing switched off meanwhile), `tiles` (`plan_tiles`), `pixels` (the share's
-    rows), `anchor` (None, or an empty tensor whose gradient — empty — is returned with the parameters': a ZeRO-3
-    leaf's hook waits for it, module docstring), then the `params`. Output: (the share's merged tokens, features).
-    Saves `pixels` only; backward recomputes tile by tile and returns each parameter's gradient summed over the tiles
-    (module docstring)."""
+    `params`), `tower` (its checkpointing switched off meanwhile), `tiles` (`plan_tiles`), `placement` (the tower's
+    device and dtype), `pixels` (the share's rows, wherever the caller has them: each tile's rows are moved to
+    `placement` when the tile runs, in forward and again in backward), `anchor` (None, or an empty tensor whose
+    gradient — empty — is returned with the parameters': a ZeRO-3 leaf's hook waits for it, module docstring), then
+    the `params`. Output: (the share's merged tokens, features). Saves `pixels` only; backward recomputes tile by
+    tile and returns each parameter's gradient summed over the tiles (module docstring)."""
 
     @staticmethod
-    def forward(ctx, encode: Callable, tower, tiles: Sequence[Tile], pixels: torch.Tensor,
+    def forward(ctx, encode: Callable, tower, tiles: Sequence[Tile], placement: dict, pixels: torch.Tensor,
                 anchor: torch.Tensor | None, *params):
-        ctx.encode, ctx.tower, ctx.tiles, ctx.params = encode, tower, tiles, params
+        ctx.encode, ctx.tower, ctx.tiles, ctx.params, ctx.placement = encode, tower, tiles, params, placement
         ctx.anchor = None if anchor is None else (anchor.shape, anchor.dtype, anchor.device)
-        ctx.autocast = autocast_of(pixels.device)
+        device = placement["device"]
+        ctx.autocast = autocast_of(device)
         ctx.save_for_backward(pixels)
         ctx.rng = []
         out = None
         with without_checkpointing(tower):
             for tile in tiles:
-                ctx.rng.append(_rng_state(pixels.device))
-                piece = encode(tile, pixels[slice(*tile.rows)])
+                ctx.rng.append(_rng_state(device))
+                piece = encode(tile, pixels[slice(*tile.rows)].to(**placement))
                 if out is None:
                     out = piece.new_empty((tiles[-1].merged[1], *piece.shape[1:]))
                 out[slice(*tile.merged)] = piece
@@ -208,15 +210,15 @@ class VisionTiles(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (pixels,), params = ctx.saved_tensors, ctx.params
-        want_pixels, wants = ctx.needs_input_grad[3], ctx.needs_input_grad[5:]
+        want_pixels, wants = ctx.needs_input_grad[4], ctx.needs_input_grad[6:]
         pixel_grad = torch.zeros_like(pixels) if want_pixels else None
         param_grads: list[torch.Tensor | None] = [None] * len(params)
         sources = [p for p, want in zip(params, wants) if want]
         for tile, rng in zip(ctx.tiles, ctx.rng):
             piece = pixels[slice(*tile.rows)].detach().requires_grad_(want_pixels)
             with torch.enable_grad(), torch.autocast(**ctx.autocast), without_checkpointing(ctx.tower), \
-                    _replayed_rng(rng, pixels.device):
-                out = ctx.encode(tile, piece)
+                    _replayed_rng(rng, ctx.placement["device"]):
+                out = ctx.encode(tile, piece.to(**ctx.placement))
             inputs = [piece] if want_pixels else []
             grads = torch.autograd.grad(out, inputs + sources, grad_out[slice(*tile.merged)], allow_unused=True)
             del out
@@ -229,10 +231,10 @@ class VisionTiles(torch.autograd.Function):
                 param_grads[i] = grad if param_grads[i] is None else param_grads[i].add_(grad)
             VISION_TILES.backward_tiles += 1
         anchor_grad = None
-        if ctx.anchor is not None and ctx.needs_input_grad[4]:
+        if ctx.anchor is not None and ctx.needs_input_grad[5]:
             shape, dtype, device = ctx.anchor
             anchor_grad = torch.zeros(shape, dtype=dtype, device=device)
-        return None, None, None, pixel_grad, anchor_grad, *param_grads
+        return None, None, None, None, pixel_grad, anchor_grad, *param_grads
 
 
 def zero3_partitioned(module: torch.nn.Module) -> bool:
@@ -290,15 +292,23 @@ def encode_in_tiles(tower, pixels: torch.Tensor, units: Sequence[tuple[int, int,
     """The joined features (merged tokens, features) of a share by items — `pixels` (patches, width) its rows,
     `units` [(frames, height, width)] its grid — computed in tiles (one if that is all it makes: `group_tiles`
     decides for the group); `encode(pixels, grid_thw)` runs the tower's unhooked forward and returns the joined
-    features; `anchor`: a ZeRO-3 leaf tower's (`VisionTiles`). Called inside the tower's call (module docstring)."""
+    features; `anchor`: a ZeRO-3 leaf tower's (`VisionTiles`). Called inside the tower's call (module docstring).
+    `pixels` may be on the host (the integrations leave them there under CP): each tile's rows go to the tower's
+    device and dtype when the tile runs, so the device never holds the whole share's pixels."""
     tiles = _tiles_of(tower.config, units)
-    device = pixels.device
+    placement = tower_placement(tower)
+    device = placement["device"]
 
     def encode_tile(tile: Tile, rows: torch.Tensor) -> torch.Tensor:
         return encode(rows, torch.tensor(tile.grid, device=device))
 
     params = [p for p in tower.parameters() if p.requires_grad]
-    return VisionTiles.apply(encode_tile, tower, tiles, pixels, anchor, *params)
+    return VisionTiles.apply(encode_tile, tower, tiles, placement, pixels, anchor, *params)
+
+
+def tower_placement(tower) -> dict:
+    """Where and in which dtype the tower computes (its pixels are moved there)."""
+    return {"device": next(tower.parameters()).device, "dtype": tower.dtype}
 
 
 # The vision tower classes of the families (`models/base.py`): made ZeRO-3 leaves under CP.

@@ -47,10 +47,11 @@ def _count_accumulations(model) -> dict:
 
 def run_tile_cases(rank: int, world_size: int) -> dict:
     """Parity metrics (`parity.compare`) of each case of `CASES[world_size]` with `mlp_tile_tokens=TILE`, with the
-    tiles the CP step ran and how often each parameter's gradient was accumulated (stock's backward and CP's)."""
+    tiles the CP step ran, the RMSNorm calls it recomputed (`tiles.recomputed_norm_forward`, on by default) and how
+    often each parameter's gradient was accumulated (stock's backward and CP's)."""
     import vlmcp_patch
     from tests.helpers.parity import compare
-    from vlmcp_patch.tiles import TILES
+    from vlmcp_patch.tiles import NORMS, TILES
 
     results = {}
     vlmcp_patch.enable(mlp_tile_tokens=TILE)
@@ -59,8 +60,10 @@ def run_tile_cases(rank: int, world_size: int) -> dict:
             model, batch = _model_and_batch(family, case)
             counts = _count_accumulations(model)
             TILES.drain()
+            NORMS.drain()
             metrics = compare(model, batch, world_size)
             metrics["tiles"] = TILES.drain()
+            metrics["norms"] = NORMS.drain()
             metrics["accumulations"] = sorted(set(counts.values()))
             results[f"{family} {case}"] = metrics
     finally:

@@ -23,7 +23,9 @@ ids and embeddings the backbone was given (`slicing.cut_to_slice`). Three steps:
 2. **pixels** (`pixel_share`) — either way a rank's share is one contiguous range of pixel rows. It is a view
    when the pixels already have the tower's device and dtype (the caller keeps them alive anyway, so a copy
    would only add memory: the patch embedding saves its input for backward), and a copy of that range only when
-   they come from the host (`placement.py`) or need a cast.
+   they come from the host (`placement.py`) or need a cast. A tower in tiles gets the range where the caller has
+   it, and each tile moves its own rows when it runs, in forward and in its recompute (`encode_in_tiles`): the
+   device never holds the whole share's pixels.
 3. **route** (`route_to_owners`) — one all-to-all with uneven splits sends each merged token's features (merged
    and every deepstack level side by side) to the rank that holds its placeholder token. Its backward is the
    reverse exchange: each rank back-propagates the complete gradient of the features it encoded, and the vision
@@ -50,7 +52,7 @@ from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
 from ..layout import BY_ITEMS, EVERY_ITEM, VisionShare, round_up, segments_from_lengths, shard_slice
 from ..stats import STATS
 from ..supported import family_of
-from ..vision_tiles import TILES_KWARG, Tied, encode_in_tiles, group_tiles, zero3_leaf
+from ..vision_tiles import TILES_KWARG, Tied, encode_in_tiles, group_tiles, tower_placement, zero3_leaf
 from .arguments import call_arguments
 
 # Keyword arguments that precompute per-patch tables for the whole batch: under CP each rank computes those of
@@ -94,11 +96,6 @@ class _TiledOutput:
         return self.cls(pooler_output=merged, **({"deepstack_features": levels} if self.deepstack else {}))
 
 
-def _tower_placement(tower) -> dict:
-    """Where and in which dtype the tower computes: its share of pixel rows is copied there once."""
-    return {"device": next(tower.parameters()).device, "dtype": tower.dtype}
-
-
 def pixel_share(pixels: torch.Tensor, rows: slice, placement: dict) -> torch.Tensor:
     """The pixel rows `rows` (patches, width) where and in which dtype the tower computes: a view of the caller's
     pixels when they are there already, else a copy of those rows only (from the host, or cast).
@@ -111,12 +108,16 @@ def pixel_share(pixels: torch.Tensor, rows: slice, placement: dict) -> torch.Ten
 def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionShare, cp: CPGroup,
                  kwargs: dict) -> tuple[object, torch.Tensor]:
     """(tower output, joined features) of this rank's whole items and temporal groups (module docstring)."""
-    placement = _tower_placement(tower)
+    placement = tower_placement(tower)
     # the tower in tiles (`vision_tiles.py`) on every rank or on none: only the features are kept
     tiled = _TiledOutput() if group_tiles(tower, [share.local_grid(r, "cpu").tolist()
                                                   for r in range(cp.size)]) else None
     if share.mine(cp.rank):
-        local = pixel_share(pixels, share.patch_rows(cp.rank), placement)
+        rows = share.patch_rows(cp.rank)
+        # in tiles each tile's rows are moved when it runs (`encode_in_tiles`); pixels that need a gradient are
+        # moved whole, their gradient then the share's
+        in_tiles = tiled is not None and not pixels.requires_grad
+        local = pixels[rows] if in_tiles else pixel_share(pixels, rows, placement)
         grid = share.local_grid(cp.rank, placement["device"])
     else:
         # The placeholder's rows are dropped; the empty selection keeps its backward (and the exchange) running on
@@ -184,7 +185,7 @@ def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, share: 
     vision_ctx = CPContext(cp=cp, segments=segments_from_lengths(lengths))  # attention within each segment
     local_len = vision_ctx.local_len
     rows = shard_slice(vision_ctx.seq_len, cp.size, cp.rank)
-    placement = _tower_placement(tower)
+    placement = tower_placement(tower)
     real = pixel_share(pixels, slice(rows.start, min(rows.stop, pixels.shape[0])), placement)
     local = torch.cat([real, real.new_zeros(local_len - real.shape[0], real.shape[1])]) if real.shape[0] < local_len \
         else real
@@ -215,7 +216,7 @@ def encode_every_item(tower, pixels: torch.Tensor, grid: torch.Tensor, owner: to
                       kwargs: dict) -> tuple[object, torch.Tensor]:
     """(tower output, joined features of this rank's tokens) with vision data parallelism off: every rank encodes
     every item and keeps the features of its own tokens (no exchange)."""
-    placement = _tower_placement(tower)
+    placement = tower_placement(tower)
     out = tower(pixels.to(**placement), grid_thw=grid.to(placement["device"]), **kwargs)
     mine = (owner == cp.rank).nonzero().flatten()
     joined = _joined_features(out)

@@ -14,7 +14,7 @@ from ..forward.vision import cp_image_features, cp_video_features, tower_call, t
 from ..offload import offloaded_checkpoint_call
 from ..patching import Patch, source_digest
 from ..supported import Family
-from ..tiles import DENSE_MLP_CLASSES, VISION_MLP_CLASSES, tiled_experts_forward, tiled_mlp
+from ..tiles import DENSE_MLP_CLASSES, VISION_MLP_CLASSES, recomputed_norm_forward, tiled_experts_forward, tiled_mlp
 from ..vision_tiles import VISION_TOWER_CLASSES
 
 TOP_LEVEL_PARAMS = ("input_ids", "attention_mask", "position_ids", CACHE_KEYWORDS, "labels", "logits_to_keep")
@@ -89,6 +89,22 @@ def mlp_patches(family: Family, mlps: MLPs) -> list[Patch]:
         Patch(target=family.target(cls, "forward"), wrapper=wrapper, reason=_TILES_REASON, expects=expects,
               family=family.name)
         for cls, wrapper, expects in dense + experts
+    ]
+
+
+def norm_patches(family: Family, norms: tuple[str, ...]) -> list[Patch]:
+    """The patches that recompute `family`'s decoder RMSNorms in backward under CP (`tiles.recomputed_norm_forward`)."""
+    return [
+        Patch(
+            target=family.target(cls, "forward"),
+            wrapper=recomputed_norm_forward,
+            reason="under CP: the RMSNorm keeps only its input for backward and is recomputed there in tiles of "
+            "rows, not its fp32 copies (VLMCP_RECOMPUTE_NORMS). It calls the stock forward per tile, in forward and "
+            "again in backward, and relies on it being row-wise, which every RMSNorm is: no upstream code is mirrored",
+            expects=(("hidden_states", "x"),),
+            family=family.name,
+        )
+        for cls in norms
     ]
 
 

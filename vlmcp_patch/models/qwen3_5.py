@@ -36,7 +36,7 @@ from ..forward.arguments import call_arguments
 from ..offload import foreign_offload_problem
 from ..patching import Patch, source_digest
 from ..supported import Family, register
-from .base import ImageFeatures, MLPs, family_patches, mlp_patches, offload_patches
+from .base import ImageFeatures, MLPs, family_patches, mlp_patches, norm_patches, offload_patches
 from .deltanet_ring import conv_over_ring, delta_rule_over_ring
 
 
@@ -418,6 +418,12 @@ MLP_CLASSES = {
 }
 
 
+# The decoder's RMSNorms, recomputed in backward under CP (`tiles.recomputed_norm_forward`): layers, q / k, final. Not
+# the DeltaNet layers' gated norm: its backward runs while the delta rule's saved intermediates are alive, the layer's
+# peak, where its recompute's transient weighs more than what it saves (measured: +1 % at P = 2 in bf16).
+NORM_CLASSES = {"qwen3_5": ("Qwen3_5RMSNorm",), "qwen3_5_moe": ("Qwen3_5MoeRMSNorm",)}
+
+
 # The decoder layers and vision blocks whose checkpoints VLMCP_OFFLOAD_CHECKPOINTS keeps on the host (`offload.py`).
 CHECKPOINTED_LAYERS = {
     "qwen3_5": ("Qwen3_5DecoderLayer", "Qwen3_5VisionBlock"),
@@ -430,6 +436,7 @@ def patches() -> list[Patch]:
     for family in FAMILIES:
         out += family_patches(family, TEXT_MODEL_PARAMS, IMAGE_FEATURES)
         out += mlp_patches(family, MLP_CLASSES[family.name])
+        out += norm_patches(family, NORM_CLASSES[family.name])
         out += offload_patches(family, CHECKPOINTED_LAYERS[family.name])
         prefix = family.text_model.removesuffix("TextModel")
         out.append(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..offload import foreign_offload_problem
 from ..patching import Patch
 from ..supported import Family, register
-from .base import ImageFeatures, MLPs, family_patches, mlp_patches, offload_patches
+from .base import ImageFeatures, MLPs, family_patches, mlp_patches, norm_patches, offload_patches
 
 FAMILIES = register(
     Family("qwen3_vl", ("Qwen3VLForConditionalGeneration",), "Qwen3VLTextModel", "Qwen3VLModel", "Qwen3VLVisionModel",
@@ -45,6 +45,10 @@ MLP_CLASSES = {
 }
 
 
+# The decoder's RMSNorms, recomputed in backward under CP (`tiles.recomputed_norm_forward`): layers, q / k, final.
+NORM_CLASSES = {"qwen3_vl": ("Qwen3VLTextRMSNorm",), "qwen3_vl_moe": ("Qwen3VLMoeTextRMSNorm",)}
+
+
 # The decoder layers and vision blocks whose checkpoints VLMCP_OFFLOAD_CHECKPOINTS keeps on the host (`offload.py`).
 CHECKPOINTED_LAYERS = {
     "qwen3_vl": ("Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"),
@@ -57,5 +61,6 @@ def patches() -> list[Patch]:
         patch for family in FAMILIES
         for patch in [*family_patches(family, TEXT_MODEL_PARAMS, IMAGE_FEATURES),
                       *mlp_patches(family, MLP_CLASSES[family.name]),
+                      *norm_patches(family, NORM_CLASSES[family.name]),
                       *offload_patches(family, CHECKPOINTED_LAYERS[family.name])]
     ]

@@ -59,6 +59,9 @@ def main(argv=None) -> int:
                     help="price VLMCP_OFFLOAD_CHECKPOINTS=1: the checkpointed inputs in host memory")
     tr.add_argument("--no-mlp-tiles", dest="tiled_mlp", action="store_false",
                     help="price VLMCP_MLP_TILE_TOKENS=0 (the MLPs whole; by default they run in tiles under CP)")
+    tr.add_argument("--no-recompute-norms", dest="recompute_norms", action="store_false",
+                    help="price VLMCP_RECOMPUTE_NORMS=0 (the RMSNorms keep their fp32 intermediates; by default they "
+                    "keep their input only under CP, recomputed in backward)")
     tr.add_argument("--no-vision-tiles", dest="tiled_vision", action="store_false",
                     help="price VLMCP_VISION_TILE_PATCHES=0 (the vision tower over the rank's whole share; by "
                     "default it runs over tiles of items under CP, except under FSDP)")
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
     training = Training(sharding=a.sharding, gradient_checkpointing=not a.no_gradient_checkpointing, dp=a.dp,
                         offload_optimizer=a.offload_optimizer, freeze_vision=a.freeze_vision,
                         ring_overlap=a.ring_overlap, offload_checkpoints=a.offload_checkpoints,
-                        tiled_mlp=a.tiled_mlp, tiled_vision=a.tiled_vision)
+                        tiled_mlp=a.tiled_mlp, tiled_vision=a.tiled_vision, recompute_norms=a.recompute_norms)
     rates = {k: getattr(a, k) for k in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs",
                                          "ib_gbs", "ring_hidden")}
     rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None

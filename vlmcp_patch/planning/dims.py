@@ -69,7 +69,12 @@ class ModelDims:
             return 0
         block = 4 * w * w + 2 * w * i
         merger = (4 * w) * (4 * w) + (4 * w) * self.hidden
-        return self.vision_depth * block + (1 + self.deepstack) * merger + 3 * self.temporal_patch * self.patch**2 * w
+        return self.vision_depth * block + (1 + self.deepstack) * merger + self.patch_values * w
+
+    @property
+    def patch_values(self) -> int:
+        """Pixel values per patch: 3 channels x temporal patch x patch side squared (the patch embedding's input)."""
+        return 3 * self.temporal_patch * self.patch**2
 
     @property
     def merger_inputs(self) -> int:

@@ -27,6 +27,20 @@ def attention_elements(d: ModelDims, ulysses: int) -> float:
     return 4 * d.hidden + 2 * (hd + kv) + kv + (2 * hd + 2 * kv_rep) + hd + gate + 4 * d.intermediate
 
 
+def norm_elements(d: ModelDims, bytes_per_value: int) -> dict[str, float]:
+    """Per token, by layer kind, what the decoder's RMSNorms keep for backward beyond their input and output:
+    transformers' norms compute in fp32, so each keeps its normalized input (1 value per normalized number) and below
+    fp32 also the fp32 copy of its input (2 values of the activations' dtype more: 3 in bf16). "attention": the two
+    layer norms and the q and k norms; "deltanet": the two layer norms; "gated": DeltaNet's gated norm of the core
+    output; "final": the final norm. Under CP the package recomputes all but the gated norm in backward, keeping their
+    inputs only (`tiles.recomputed_norm_forward`). Measured in bf16 and fp32: `tests/test_plan.py`."""
+    per = 1 if bytes_per_value >= 4 else 3
+    q, k = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    v = d.linear_v_heads * d.linear_v_dim
+    return {"attention": per * (2 * d.hidden + q + k), "deltanet": per * 2 * d.hidden, "gated": per * v,
+            "final": per * d.hidden}
+
+
 def mlp_tile_tokens(tokens: int, hidden: int, width: int) -> int:
     """Tokens per tile of an MLP over `tokens` tokens whose intermediates hold `width` numbers per token: the
     package's own automatic rule (`tiles.tile_tokens`)."""
@@ -106,21 +120,24 @@ class Memory:
     gradients: float = 0.0
     optimizer: float = 0.0  # master weights and moments
     activations: float = 0.0  # saved for backward (with checkpointing: the checkpoints)
-    working: float = 0.0  # the recomputed layer's working set (checkpointing), else 0
+    forward_only: float = 0.0  # with checkpointing, alive to the end of the forward only: the vision features
+    # routed to this rank and the final norm's tensors (without checkpointing they are in `activations`)
+    working: float = 0.0  # the recomputed layer's working set with the feature gradients alive then (checkpointing)
     head: float = 0.0  # one chunk of fp32 logits and its companions
     head_weight: float = 0.0  # beside the head's chunk: the head weight's fp32 gradient, ZeRO-3's gathered lm_head
     host: float = 0.0  # the checkpoint offload's host pool of this rank (not on the device: not in `total`)
     host_optimizer: float = 0.0  # the optimizer offloaded to the host (not in `total`)
     exchange: float = 0.0  # all-to-all send/receive buffers, ring K/V in flight, DeltaNet state gathers
-    batch: float = 0.0  # the row's integer tensors (whole row on every rank)
+    batch: float = 0.0  # the row's integer tensors (whole row on every rank) and this rank's pixel values
 
     @property
     def total(self) -> float:
-        """The peak: what lives through the step, plus the larger of two transients that are never alive together —
-        one layer's working set with its exchange buffers (during that layer) and the head's chunk with the head
-        weight's fp32 gradient (at the end of the forward, where the fused head makes its gradient)."""
+        """The peak: what lives through the step, plus the larger of two phases' transients, never alive together —
+        the end of the forward (the features and the final norm, the head's chunk and the head weight's fp32
+        gradient, which the fused head makes there) and one layer's recompute in backward (its working set with its
+        exchange buffers and the feature gradients arrived by then)."""
         return (self.weights + self.gradients + self.optimizer + self.activations + self.batch
-                + max(self.working + self.exchange, self.head + self.head_weight))
+                + max(self.working + self.exchange, self.forward_only + self.head + self.head_weight))
 
     @property
     def host_total(self) -> float:
@@ -171,12 +188,17 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     patches = math.ceil(row.patches(d) / size)
     vision_local = math.ceil(row.vision_tokens / size)
     att, dn = attention_elements(d, ulysses), deltanet_elements(d, ulysses) if d.linear_layers else 0.0
+    norms, recomputed = norm_elements(d, b), t.recompute_norms and size > 1
+    att += 0.0 if recomputed else norms["attention"]
+    dn += norms["gated"] + (0.0 if recomputed else norms["deltanet"]) if dn else 0.0
     vis, mergers = (vision_elements(d), merger_elements(d)) if d.vision_depth else (0.0, 0.0)
     tiled = t.tiled_mlp and size > 1
+    mlp = 4 * d.intermediate  # the decoder MLP's intermediates per token: alive in its recompute (or one tile's)
     if tiled:  # the MLPs' intermediates (4 I per token, 2 I_v per patch) are kept per tile, or not at all
         keep = mlp_share(local, d.hidden, 4 * d.intermediate, tiled) if t.gradient_checkpointing else 0.0
         att -= (1 - keep) * 4 * d.intermediate
         dn = dn - (1 - keep) * 4 * d.intermediate if dn else 0.0
+        mlp *= keep
         if vis:
             keep_v = (mlp_share(patches, d.vision_width, 2 * d.vision_intermediate, tiled)
                       if t.gradient_checkpointing else 0.0)
@@ -187,14 +209,16 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     # checkpointing is off inside a tile), its MLPs in their own tiles keeping no intermediates
     tile = vision_tile(d, t, patches, size)
     vis_tile = (vision_elements(d) - (2 * d.vision_intermediate if tiled else 0)) if tile else 0.0
-    tile_work = tile * (c.vision * (d.vision_depth * vis_tile + mergers) + 2 * d.vision_width)
+    # a tile's own pixel values come to the device with it (`vision_tiles.encode_in_tiles`): the share's never do
+    tile_work = tile * (c.vision * (d.vision_depth * vis_tile + mergers) + 2 * d.vision_width + d.patch_values)
     tile_work += vision_tower_gathered(d, t, bool(tile))  # under ZeRO-3 the whole tower, gathered meanwhile
     # DeltaNet across a ring (models/deltanet_ring.py): a chunk continuing a sample runs the delta rule twice more
     # for its transfer (B from a zero state, M from the identity), and autograd keeps both runs' intermediates
     ring_rule = 2 * deltanet_rule_elements(d, ulysses) if (ring > 1 and d.linear_layers) else 0.0
     dn += ring_rule
     attention_x, deltanet_x = exchange_elements(d, t, local, ulysses, ring)
-    final = local * 2 * d.hidden  # the final norm's input and output, kept for its backward and the head's
+    # the final norm's input and output (its backward's and the head's) and what it keeps besides, unless recomputed
+    final = local * (2 * d.hidden + (0.0 if recomputed else norms["final"]))
     m = Memory()
     if not t.gradient_checkpointing:
         m.activations = b * local * (d.full_layers * c.attention * att + d.linear_layers * c.deltanet * dn)
@@ -204,24 +228,36 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     else:
         decoder = b * local * d.hidden * d.layers
         vision = 0.0 if tile else b * patches * d.vision_width * d.vision_depth  # tiled: no block checkpoints
-        if t.offload_checkpoints:  # all but the last layer's input go to the host; one more in flight / prefetched
-            stay = b * local * d.hidden * min(2, d.layers)
+        prefetched = 0.0
+        if t.offload_checkpoints:  # all but the last layer's input go to the host; in backward, beside the input of
+            # the layer recomputed, the next one's comes back (prefetched)
             m.host = decoder - b * local * d.hidden + vision  # the pool: every input but the last layer's
-            decoder, vision = stay, 0.0
+            decoder, vision = b * local * d.hidden, 0.0
+            prefetched = local * d.hidden if d.layers > 1 else 0.0
         # the untiled tower's mergers keep their activations to the end of the step (they are not checkpointed),
         # and with them the block outputs they read, on the device even when the blocks' inputs are offloaded
         if not tile:
             taps = (d.merger_inputs - 1) * d.vision_width if t.offload_checkpoints else 0.0
             vision += b * patches * (c.vision * mergers + taps)
-        m.activations = decoder + vision + b * (features + final)
+        m.activations = decoder + vision
+        # nothing autograd keeps for backward holds the features or the final norm's tensors once the head's backward
+        # has run: gone before the first layer is recomputed (measured: `tests/test_plan.py`, the backward's peak)
+        m.forward_only = b * (features + final)
         # one layer is recomputed at a time: its activations, the gradient flowing through it (2 hidden states)
-        # and its own exchange buffers — the largest of the layer kinds and the vision block
+        # and its own exchange buffers — the largest of the layer kinds and the vision block. The gradients of the
+        # deepstack features arrive as the layers that add them are recomputed (all of them by layer 0), those of
+        # the merged features at the embedding, before the tower's backward
         gradient = 2 * d.hidden
-        kinds = [(local * (c.attention_work * att + gradient), attention_x)] if d.full_layers else []
+        deepstack_grads = vision_local * d.hidden * d.deepstack
+        mlp_work = c.mlp_work * mlp
+        around = prefetched + deepstack_grads  # beside any decoder layer's recompute
+        kinds = ([(local * (c.attention_work * (att - mlp) + mlp_work + gradient) + around, attention_x)]
+                 if d.full_layers else [])
         if d.linear_layers:
-            kinds.append((local * (c.deltanet_work * dn + gradient), deltanet_x))
+            kinds.append((local * (c.deltanet_work * (dn - mlp) + mlp_work + gradient) + around, deltanet_x))
         if d.vision_depth:
-            kinds.append((tile_work if tile else patches * (c.vision_work * vis + 2 * d.vision_width), 0.0))
+            tower = tile_work if tile else patches * (c.vision_work * vis + 2 * d.vision_width)
+            kinds.append((tower + features, 0.0))
         working, exchange = max(kinds, key=sum)
         m.working, m.exchange = b * working, b * exchange
     # the fused head: one chunk of fp32 logits (turned into their gradient in place), its copy in the head's dtype
@@ -241,7 +277,10 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     m.head_weight = 0.0 if t.frozen_head else 4.0 * d.vocab * d.hidden
     if t.sharding in ("zero3", "fsdp") and size * t.dp > 1:
         m.head_weight += b * d.vocab * d.hidden
-    m.batch = 32.0 * row.tokens  # ids, labels, positions, token types: int64, whole row
+    # ids, labels, positions, token types: int64, whole row; untiled, the pixel values of the rank's patches, which
+    # the patch embedding keeps for backward: under CP the integrations copy a rank's share to its device inside the
+    # step, at P = 1 the whole batch is there (in tiles, a tile's pixels only, in its working set)
+    m.batch = 32.0 * row.tokens + (0 if tile else b * patches * d.patch_values)
     return m
 
 

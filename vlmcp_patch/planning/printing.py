@@ -26,7 +26,8 @@ def format_table(rows: list[PlanRow], dims: ModelDims, row: Row, hw: Hardware, t
         lines.append(f"{r.size:>4} {f'{r.ulysses}x{r.ring}':>6} {r.nodes:>5} {r.peak_gib:>8.1f} "
                      f"{'yes' if r.fits else 'no':>4} {r.other_checkpointing_gib:>7.1f} "
                      f"{g(m.weights + m.gradients + m.optimizer):>7} "
-                     f"{g(m.activations):>6} {g(m.working):>6} {g(m.head + m.head_weight):>5} {g(m.exchange):>5} "
+                     f"{g(m.activations + m.forward_only):>6} {g(m.working):>6} {g(m.head + m.head_weight):>5} "
+                     f"{g(m.exchange):>5} "
                      f"{r.host_gib_per_node:>9.1f} {tm.total:>8.2f} {tm.compute:>8.2f} {tm.all_to_all:>6.2f} "
                      f"{tm.ring:>6.2f} {tm.ring_overlapped:>7.2f} {tm.deltanet_state:>6.3f} {tm.sharding:>6.2f} "
                      f"{tm.offload_copies:>6.2f} {tm.offload:>6.2f} {r.tokens_per_s_per_gpu:>9.0f}  {mark_text}")
@@ -46,12 +47,15 @@ def assumptions(dims: ModelDims, hw: Hardware, t: Training) -> list[str]:
         f"  attained rates: matmul {hw.matmul_tflops:g}, attention {hw.attention_tflops:g}, DeltaNet "
         f"{hw.deltanet_tflops:g} TFLOP/s; links NVLink {hw.nvlink_gbs:g} GB/s, IB {hw.ib_gbs:g} GB/s per GPU, "
         f"{hw.latency_s * 1e6:g} us per collective step",
-        "  activation constants fitted on CPU at P=1 and checked at P=2..8 (docs/plan.md); vision work split evenly; "
+        "  activation constants fitted on CPU (the recomputed layer's at P=1 and 2) and checked at P=2..8 "
+        "(docs/plan.md); vision work split evenly; "
         + (f"ring passes overlapped with compute, {hw.ring_hidden:.0%} of their time hidden as measured on CPU (the "
            "step counts 'ring ov')" if t.ring_overlap else
            "ring passes priced without overlap (--no-ring-overlap; 'ring ov': what overlap leaves)"),
         "  MLPs " + ("in sequence tiles under CP (P > 1; --no-mlp-tiles prices them whole)" if t.tiled_mlp else
                      "whole (--no-mlp-tiles)")
+        + "; RMSNorms " + ("recomputed in backward under CP (P > 1; --no-recompute-norms keeps their fp32 copies)"
+                           if t.recompute_norms else "as transformers keeps them (--no-recompute-norms)")
         + "; vision tower " + ("over tiles of items under CP (P > 1; ZeRO-3 gathers it whole; not under FSDP; "
                                "--no-vision-tiles prices it whole)" if t.tiled_vision else "over the rank's whole share "
                                "(--no-vision-tiles)")

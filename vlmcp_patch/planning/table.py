@@ -106,7 +106,8 @@ def _why(r: PlanRow, smallest: PlanRow | None, fastest: PlanRow | None, picked: 
     if not r.fits:
         m = r.memory
         parts = {"weights+grads+optimizer": m.weights + m.gradients + m.optimizer,
-                 "activations": m.activations + m.working, "head": m.head, "exchange buffers": m.exchange}
+                 "activations": m.activations + m.forward_only + m.working, "head": m.head,
+                 "exchange buffers": m.exchange}
         return f"does not fit: {max(parts, key=parts.get)} dominate"
     notes = []
     if r is smallest:

@@ -30,6 +30,7 @@ class Training:
     offload_checkpoints: bool = False
     tiled_mlp: bool = True
     tiled_vision: bool = True
+    recompute_norms: bool = True  # under CP the decoder's RMSNorms keep their input only (`VLMCP_RECOMPUTE_NORMS`)
     stock_head: bool = False
     frozen_head: bool = False
     loss_chunk: int = 0  # tokens per chunk of the head (`VLMCP_LOSS_CHUNK`); 0: the package's automatic rule
@@ -42,9 +43,12 @@ class Training:
 
 @dataclass(frozen=True)
 class Constants:
-    """Multipliers on the element counts below, fitted on this CPU at P=1 (`benchmarks.plan_check`) and checked at
-    P > 1: `attention`, `deltanet`, `vision` on the saved activations of a layer / block without checkpointing;
-    `*_work` on the working set of the one layer (block) recomputed at a time with checkpointing."""
+    """Multipliers on the element counts below, fitted on this CPU (`benchmarks.plan_check`): `attention`,
+    `deltanet`, `vision` on the saved activations of a layer / block without checkpointing (fitted at P = 1);
+    `*_work` on the working set of the one layer (block) recomputed at a time with checkpointing — `mlp_work` on
+    its MLP's intermediates (whole, or one tile's), `attention_work` / `deltanet_work` on the rest of the layer
+    (fitted on rows whose peak is that layer, at P = 1 with the MLP whole and P = 2 in tiles, which tell the two
+    apart)."""
 
     attention: float = 1.0
     deltanet: float = 1.0
@@ -52,10 +56,11 @@ class Constants:
     attention_work: float = 1.0
     deltanet_work: float = 1.0
     vision_work: float = 1.0
+    mlp_work: float = 1.0
 
 
 # Fitted by `python -m benchmarks.plan_check --fit` on this repository's CPU runs (fp32, torch's sdpa and its
 # pure-torch delta rule; docs/plan.md "checked against measurements"). The DeltaNet ones carry the torch fallback's
 # intermediates: with flash-linear-attention's kernels on a GPU they overestimate.
-CALIBRATED = Constants(attention=1.094, deltanet=2.369, vision=0.956, attention_work=1.638, deltanet_work=2.414,
-                       vision_work=1.177)
+CALIBRATED = Constants(attention=0.934, deltanet=2.228, vision=0.956, attention_work=0.512, deltanet_work=2.368,
+                       vision_work=0.903, mlp_work=1.868)
