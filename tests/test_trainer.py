@@ -392,6 +392,8 @@ def test_tiled_mlps_train_like_p1_under_each_wrapper(wrapper, once):
                   env={"VLMCP_MLP_TILE_TOKENS": "3", "VLMCP_VISION_TILE_PATCHES": "1"})
     assert run.wrapper == wrapped_by
     assert all(e["cp_mlp_tiles_per_call"] >= 3 for e in run.train), [e.get("cp_mlp_tiles_per_call") for e in run.train]
+    # the RMSNorms recomputed under each wrapper too (`VLMCP_RECOMPUTE_NORMS`, on by default): one row tile each here
+    assert all(e["cp_norm_tiles_per_call"] >= 1 for e in run.train), [e.get("cp_norm_tiles_per_call") for e in run.train]
     vision_tiles = [e.get("cp_vision_tiles_per_call") for e in run.train]
     # FSDP2 units inside the tower (the newest Accelerate wraps its blocks) gather module by module: untiled. A tower
     # inside one unit (Accelerate 1.11's policy) is gathered whole with it, and tiles

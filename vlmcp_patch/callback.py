@@ -9,7 +9,7 @@ from .integrations.setup import check_cp_setup
 from .patching import cp_size
 from .offload import HOST_CHECKPOINTS
 from .stats import STATS
-from .tiles import TILES
+from .tiles import NORMS, TILES
 from .vision_tiles import VISION_TILES
 
 
@@ -20,10 +20,10 @@ class VLMCPCallback(TrainerCallback):
     before the first step); with every training log it adds the CP size, the data-parallel size, the
     mean token slots per rank per forward and the share of them that is padding, and with vision data
     parallelism the vision patches this rank encoded per pass and the imbalance (busiest rank against a
-    perfect split, 1.0 = balanced), with the MLPs in tiles the tiles per tiled MLP call,
-    with the vision tower in tiles the tiles per tiled tower call, and with the checkpoints
-    in host memory the host pool's size — to
-    `trainer.state.log_history` and to the logs that callbacks added after it (reporters) receive.
+    perfect split, 1.0 = balanced), with the MLPs in tiles the tiles per tiled MLP call, with the RMSNorms
+    recomputed the row tiles per norm call, with the vision tower in tiles the tiles per tiled tower call, and with
+    the checkpoints in host memory the host pool's size — to `trainer.state.log_history` and to the logs that
+    callbacks added after it (reporters) receive.
     """
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -31,13 +31,14 @@ class VLMCPCallback(TrainerCallback):
             check_cp_setup(model)
         STATS.drain()
         TILES.drain()
+        NORMS.drain()
         VISION_TILES.drain()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or cp_size() == 1 or "loss" not in logs:
             return
         facts = {"cp_size": cp_size(), "cp_data_parallel_size": data_parallel_world_size(), **STATS.drain(),
-                 **TILES.facts(), **VISION_TILES.facts(), **HOST_CHECKPOINTS.facts()}
+                 **TILES.facts(), **NORMS.facts(), **VISION_TILES.facts(), **HOST_CHECKPOINTS.facts()}
         logs.update(facts)  # seen by the callbacks after this one (reporters)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(facts)

@@ -57,7 +57,7 @@ def tile_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
 
 
 TILES = TileCounts()
-NORMS = TileCounts(facts_key="cp_recomputed_norms")  # telemetry of `recomputed_norm_forward` (tests read it)
+NORMS = TileCounts(facts_key="cp_norm_tiles_per_call")  # telemetry of `recomputed_norm_forward`
 # An RMSNorm's backward holds about this many fp32 values per normalized number at once (the input's fp32 copy, the
 # normalized input, their gradients): its tiles are sized like an MLP's with this intermediate width
 NORM_BACKWARD_WIDTH = 6
