@@ -20,18 +20,19 @@ from .record import current_site, site
 from ..grad_shares import shares_of
 
 
-def _split_contiguous(x: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:
-    return [c.contiguous() for c in x.chunk(parts, dim=dim)]
-
-
 def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size: int) -> torch.Tensor:
-    """Split `x` in `size` chunks along `scatter_dim`, send chunk j to rank j, concat received along `gather_dim`."""
+    """Split `x` in `size` chunks along `scatter_dim`, send chunk j to rank j, concat received along `gather_dim`.
+
+    Two buffers of `x`'s size at most beside it: the send buffer is one copy of `x` with the chunks first and goes
+    before the output is laid out from the receive buffer (a send buffer built from chunk copies and kept to the end
+    held three, and the largest exchange of a layer sets its recomputed working set)."""
     if x.shape[scatter_dim] % size:
         raise ValueError(f"dimension {scatter_dim} of size {x.shape[scatter_dim]} cannot be split over {size} ranks")
-    send = torch.stack(_split_contiguous(x, size, scatter_dim))
+    send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
     communicate("all-to-all", group, send.numel(), lambda: dist.all_to_all_single(recv, send, group=group))
-    return torch.cat(recv.unbind(0), dim=gather_dim)
+    del send
+    return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1).contiguous()
 
 
 class _AllToAll(torch.autograd.Function):
