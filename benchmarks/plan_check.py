@@ -48,6 +48,9 @@ MIB = 2**20
 MEMORY_CACHE = "benchmarks/data/plan_memory.json"  # this repository's run (docs/plan.md); --measure redoes it
 WORK_CACHE = "benchmarks/data/plan_work.json"  # the recomputed layer's rows (`benchmarks.plan_measure --work`)
 WORK_BF16_CACHE = "benchmarks/data/plan_work_bf16.json"  # the same in bf16, Qwen3-VL (a check: nothing is fitted on it)
+# Qwen3-VL's image-heavy rows with small vision tiles, so that a decoder layer beside the deepstack features' gradients
+# sets the peak (a check: nothing is fitted on it; `benchmarks.plan_measure`'s docstring has the commands)
+DECODER_CACHE = "benchmarks/data/plan_decoder.json"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -96,7 +99,9 @@ def predicted_peak(point: dict, constants: Constants, cache: dict) -> float:
     training = Training(sharding="none", gradient_checkpointing=point["gc"], bytes_per_value=2 if bf16 else 4,
                         attention="sdpa", frozen_head=True,
                         tiled_mlp=point.get("tiled_mlp", False), offload_checkpoints=point.get("offload", False),
-                        loss_chunk=point.get("loss_chunk", 0), recompute_norms=point.get("recompute_norms", False))
+                        loss_chunk=point.get("loss_chunk", 0), recompute_norms=point.get("recompute_norms", False),
+                        mlp_tile_tokens=point.get("mlp_tile_tokens"),
+                        vision_tile_patches=point.get("vision_tile_patches"))
     size = point["P"]
     from vlmcp_patch.planning import package_ulysses
 
@@ -138,11 +143,13 @@ def fit(points: list[dict], cache: dict, work: list[dict] = ()) -> Constants:
 
 def memory_check(points: list[dict], constants: Constants, cache: dict) -> list[tuple]:
     """(model, sample, checkpointing, P, measured MiB, predicted MiB, relative error, norms) per point; norms:
-    "recomputed" or "kept" where the point says (`plan_measure --work`), else ""."""
+    "recomputed" or "kept" where the point says (`plan_measure --work`), else "", and the MLP's tiles where set."""
     rows = []
     for p in sorted(points, key=lambda p: (p["model"], p["sample"], p["gc"], p["P"], not p.get("recompute_norms"))):
         predicted = predicted_peak(p, constants, cache)
         norms = "" if "recompute_norms" not in p else "recomputed" if p["recompute_norms"] and p["P"] > 1 else "kept"
+        if p.get("mlp_tile_tokens"):
+            norms += f", MLP tiles of {p['mlp_tile_tokens']}"
         rows.append((p["model"], p["sample"], "on" if p["gc"] else "off", p["P"], p["peak"] / MIB,
                      predicted / MIB, predicted / p["peak"] - 1, norms))
     return rows
@@ -152,11 +159,11 @@ def print_memory(rows: list[tuple], constants: Constants, title: str = "") -> No
     print("== memory: predicted vs measured per-rank peak (MiB; the memory benchmark's count)"
           + (f": {title}" if title else ""))
     print("fitted constants: " + ", ".join(f"{k} {v:.3f}" for k, v in constants.__dict__.items()))
-    norms = any(r[7] for r in rows)
-    print(f"{'model':9s} {'sample':12s} {'GC':>3} {'P':>2}" + (f" {'norms':>10}" if norms else "")
+    width = max([len(r[7]) for r in rows] + [10]) if any(r[7] for r in rows) else 0
+    print(f"{'model':9s} {'sample':12s} {'GC':>3} {'P':>2}" + (f" {'norms':>{width}}" if width else "")
           + f" {'measured':>9} {'predicted':>9} {'error':>7}")
     for model, sample, gc, size, measured, predicted, error, kind in rows:
-        print(f"{model:9s} {sample:12s} {gc:>3} {size:>2}" + (f" {kind:>10}" if norms else "")
+        print(f"{model:9s} {sample:12s} {gc:>3} {size:>2}" + (f" {kind:>{width}}" if width else "")
               + f" {measured:>9.1f} {predicted:>9.1f} {error:>+7.1%}")
     checked = [r for r in rows if r[3] > 1]
     within = sum(abs(r[6]) <= 0.10 for r in checked)
@@ -383,6 +390,9 @@ def main(argv=None) -> None:
     print_memory(memory_check(work, constants, cache), constants, "the recomputed layer's rows (P = 4 a prediction)")
     print_memory(memory_check(json.load(open(WORK_BF16_CACHE)), constants, cache), constants,
                  "the same rows in bf16 (predictions: the constants are fp32 fits)")
+    print_memory(memory_check(json.load(open(DECODER_CACHE)), constants, cache), constants,
+                 "image-heavy rows in small vision tiles: a decoder layer beside the deepstack gradients sets the peak "
+                 "(predictions)")
     print(f"(the package's CALIBRATED constants: {CALIBRATED})")
     for line in anchors():
         print(line)

@@ -3,6 +3,8 @@
     python -m benchmarks.plan_measure [--out benchmarks/data/plan_memory.json] [--tokens 2048] [--layers 2]
     python -m benchmarks.plan_measure --work      # the recomputed layer's rows (benchmarks/data/plan_work.json)
     python -m benchmarks.plan_measure --work --dtype bf16 --models qwen3-vl --out benchmarks/data/plan_work_bf16.json
+    python -m benchmarks.plan_measure --work --models qwen3-vl --samples image-heavy --sizes 2 4 --norms recomputed \
+        --vision-tile-patches 256 [--mlp-tile-tokens 256] --out benchmarks/data/plan_decoder.json
 
 Each (model, sample, checkpointing, P) is one `benchmarks.memory.measure` run: the busiest rank's peak of live
 bytes (parameter gradients left out, the batch's device bytes in), as that benchmark counts it. Results are
@@ -31,12 +33,15 @@ WORK = {"out": "benchmarks/data/plan_work.json", "tokens": 8192, "layers": 4, "s
 
 
 def memory_args(model: str, sample: str, gc: bool, tokens: int, layers: int, offload: bool = False,
-                loss_chunk: int = 0, recompute_norms: bool = True, dtype: str = "fp32") -> argparse.Namespace:
+                loss_chunk: int = 0, recompute_norms: bool = True, dtype: str = "fp32",
+                mlp_tile_tokens: int | None = None, vision_tile_patches: int | None = None) -> argparse.Namespace:
     """The options of `benchmarks.memory` for one run (widths / 16, three vision blocks, the integrations' loop)."""
     argv = ["--model", model, "--sample", sample, "--tokens", str(tokens), "--layers", str(layers), "--scale", "16",
             "--loops", "host", "--loss-chunk-tokens", str(loss_chunk), "--dtype", dtype,
             *(["--gradient-checkpointing"] if gc else []),
-            *(["--offload-checkpoints"] if offload else []), *([] if recompute_norms else ["--no-recompute-norms"])]
+            *(["--offload-checkpoints"] if offload else []), *([] if recompute_norms else ["--no-recompute-norms"]),
+            *(["--mlp-tile-tokens", str(mlp_tile_tokens)] if mlp_tile_tokens else []),
+            *(["--vision-tile-patches", str(vision_tile_patches)] if vision_tile_patches else [])]
     return memory.parser().parse_args(argv)
 
 
@@ -50,7 +55,8 @@ def runs(args) -> list[dict]:
                     if not args.work:
                         out.append({"model": model, "sample": sample, "gc": gc, "P": size})
                         continue
-                    for recompute in (True,) if size == 1 else (True, False):  # P = 1 never recomputes them
+                    # P = 1 never recomputes them
+                    for recompute in (True,) if size == 1 or args.norms == "recomputed" else (True, False):
                         out.append({"model": model, "sample": sample, "gc": gc, "P": size, "offload": WORK["offload"],
                                     "loss_chunk": WORK["loss_chunk"], "tiled_mlp": True, "recompute_norms": recompute})
     return out
@@ -67,19 +73,29 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", help="CP sizes (default 1 2 4 6 8; with --work 1 2 4)")
     parser.add_argument("--work", action="store_true", help="the recomputed layer's rows (`WORK`), checkpointing on")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the weights' and pixels' dtype")
+    parser.add_argument("--mlp-tile-tokens", type=int, help="tokens per MLP tile (default: the automatic rule)")
+    parser.add_argument("--vision-tile-patches", type=int,
+                        help="patches per vision tile (default: the automatic rule); with a small one a decoder layer, "
+                        "not the tower, sets the peak of an image-heavy row")
+    parser.add_argument("--norms", choices=["both", "recomputed"], default="both",
+                        help="with --work, under CP: the norms recomputed and kept (both), or recomputed only")
     args = parser.parse_args(argv)
     defaults = WORK if args.work else {"tokens": 2048, "layers": 2, "sizes": list(SIZES)}
     for name in ("tokens", "layers", "sizes"):
         setattr(args, name, getattr(args, name) or defaults[name])
     args.out = args.out or (WORK["out"] if args.work else "benchmarks/data/plan_memory.json")
     done = json.load(open(args.out)) if os.path.exists(args.out) else []
-    keys = ("model", "sample", "gc", "P", "recompute_norms")
+    keys = ("model", "sample", "gc", "P", "recompute_norms", "mlp_tile_tokens", "vision_tile_patches")
     seen = {tuple(r.get(k) for k in keys) for r in done}
     for run in runs(args):
         if tuple(run.get(k) for k in keys) in seen:
             continue
         start = time.perf_counter()
-        options = {k: run[k] for k in ("offload", "loss_chunk", "recompute_norms") if k in run}
+        for name in ("mlp_tile_tokens", "vision_tile_patches"):
+            if getattr(args, name):
+                run[name] = getattr(args, name)
+        options = {k: run[k] for k in ("offload", "loss_chunk", "recompute_norms", "mlp_tile_tokens",
+                                       "vision_tile_patches") if k in run}
         options["dtype"] = run["dtype"] = args.dtype
         ns = memory_args(run["model"], run["sample"], run["gc"], args.tokens, args.layers, **options)
         ranks = [r["host"] for r in run_distributed(memory.measure, run["P"], ns, args.tokens, False, timeout=3600)]

@@ -11,7 +11,7 @@ from tests.helpers.cases import stock_cuts_the_row
 from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL
 from tests.helpers.tile_cases import CASES, run_tile_cases, stock_step
-from vlmcp_patch.tiles import NORMS, TILES, TokenwiseTiles, tile_bounds, tile_tokens
+from vlmcp_patch.tiles import NORMS, TILES, TokenwiseTiles, mlp_tile_tokens, tile_bounds, tile_tokens
 
 
 def tiles_run(cp_size: int):
@@ -90,6 +90,19 @@ def test_tiles_sum_each_parameter_gradient_before_delivering_it():
 ])
 def test_tile_size(tokens, configured, expected):
     assert tile_tokens(tokens, hidden_size=1024, intermediate_width=4 * 3072, configured=configured) == expected
+
+
+@pytest.mark.parametrize("tokens, hidden, configured, expected", [
+    (500_000, 4096, "auto", 4066),  # 123 tiles of about hidden_size tokens (ALST's shards), not 12 of 41,667
+    (100_000, 1024, "auto", 1031),  # at most hidden_size, at least MIN_TILE: 97 tiles
+    (5_000, 1024, "auto", 1250),  # MIN_TILE bounds the count: 4 tiles
+    (20_000, 4096, "auto", 1667),  # below 12 x hidden_size tokens the intermediates' bound is the tighter
+    (700, 4096, "auto", 700),  # one tile: the stock forward
+    (500_000, 4096, 0, 500_000),
+    (500_000, 4096, 9_000, 9_000),
+])
+def test_mlp_tile_size(tokens, hidden, configured, expected):
+    assert mlp_tile_tokens(tokens, hidden, 4 * 3 * hidden, configured) == expected
 
 
 def test_a_zero3_mlp_gathering_child_by_child_runs_untiled_unless_it_is_a_leaf():

@@ -326,6 +326,39 @@ def test_the_recomputed_layer_in_bf16_is_predicted_from_the_fp32_constants():
     assert pairs["text-heavy", 2]["recomputed"][4] < 0.75 * pairs["text-heavy", 2]["kept"][4]
 
 
+def test_a_decoder_layer_beside_the_deepstack_gradients_is_predicted_within_10_percent():
+    """Qwen3-VL's image-heavy rows in small vision tiles (`benchmarks/data/plan_decoder.json`, nothing fitted on them):
+    a decoder layer, not the tower, sets the measured peak, beside the deepstack features' gradients arrived by then
+    and the prefetched input (`planning.memory.beside_a_recomputed_layer`: at layer 1, two gradients and layer 0's
+    input). Within 10 % with the MLP's tiles automatic and of 256 tokens, and the plan's peak is the decoder layer's
+    too: smaller vision tiles leave it where it is, the tower whole raises it."""
+    from benchmarks.plan_check import DECODER_CACHE, memory_check, predicted_peak
+
+    points = json.loads((ROOT / DECODER_CACHE).read_text())
+    rows = memory_check(points, planning.CALIBRATED, {})
+    assert sorted(r[3] for r in rows) == [2, 2, 4, 4] and max(abs(r[6]) for r in rows) <= 0.10
+    for point in points:
+        tiled = predicted_peak(point, planning.CALIBRATED, {})
+        assert predicted_peak({**point, "vision_tile_patches": 64}, planning.CALIBRATED, {}) == tiled
+        assert predicted_peak({**point, "vision_tile_patches": 10**9}, planning.CALIBRATED, {}) > tiled
+    smaller = {r[3]: r for r in rows if "MLP tiles of 256" in r[7]}
+    for r in rows:
+        if "MLP tiles" not in r[7]:  # the MLP's share of the layer: smaller tiles, a lower peak, measured and priced
+            assert smaller[r[3]][4] < r[4] and smaller[r[3]][5] < r[5]
+
+
+def test_mlp_tiles_of_a_long_slice_hold_about_hidden_size_tokens():
+    """The package's rule (`tiles.mlp_tile_tokens`, ALST's shards) priced by the plan: Qwen3-VL-8B's 0.5M-token slice
+    keeps one 4,096-token tile's intermediates, not a share of the slice; a configured size is priced as set."""
+    d = planning.model_dims("qwen3-vl-8b")
+    row = Row.text(8 * 512_000)
+    at = {tiles: planning.activation_memory(d, row, Training(offload_checkpoints=True, mlp_tile_tokens=tiles),
+                                            planning.CALIBRATED, 8, 8).working for tiles in (None, 4096, 41_667)}
+    assert at[None] == at[4096] < at[41_667]
+    assert planning.main(["--model", "qwen3-vl-8b", "--video-tokens", "1048576", "--sizes", "8",
+                          "--mlp-tile-tokens", "65536"]) == 0
+
+
 def test_gpu_check_prints_rates_in_the_units_plan_takes(capsys):
     """benchmarks.gpu_check's last section, on the CPU dry run: its flags are accepted by `plan` as they are."""
     from benchmarks import gpu_check

@@ -10,9 +10,11 @@ Each parameter's gradient is accumulated over the tiles inside the function and 
 that input: autograd then accumulates it into `.grad` once per backward, so the hooks of DDP, ZeRO-2/3 and FSDP2
 (which fire when a parameter's gradient is accumulated) see one gradient, as with the untiled MLP.
 
-Tile size (`tile_tokens`): `mlp_tile_tokens` when set; else equal tiles whose intermediates take at most the memory
-of the slice's hidden states (`INTERMEDIATE_PER_HIDDEN`) and hold at least `MIN_TILE` tokens — a shorter tile would
-read every weight for a few rows. A slice of one tile runs the stock forward, untouched.
+Tile size (`mlp_tile_tokens`): `VLMCP_MLP_TILE_TOKENS` when set; else equal tiles whose intermediates take at most the
+memory of the slice's hidden states (`INTERMEDIATE_PER_HIDDEN`), of at most `hidden_size` tokens (DeepSpeed ALST's
+TiledMLP shards a sequence the same way: a long slice's tile then holds a fixed few hundred MB, not a share of the
+slice), and of at least `MIN_TILE` tokens — a shorter tile would read every weight for a few rows. A slice of one
+tile runs the stock forward, untouched.
 
 Only under CP (`cp_size() > 1`): with CP off every MLP runs stock. Not while torch.compile traces (the compiled graph
 keeps the stock MLP).
@@ -42,14 +44,26 @@ MIN_TILE = 1024  # tokens: the matmuls of a tile stay large enough to run at ful
 INTERMEDIATE_PER_HIDDEN = 1  # a tile's intermediates take at most this many times the slice's hidden states
 
 
-def tile_tokens(num_tokens: int, hidden_size: int, intermediate_width: int, configured: int | str = AUTO) -> int:
-    """Tokens per tile of an MLP over `num_tokens` tokens (module docstring); `intermediate_width`: the numbers one
-    token holds in the MLP's intermediates; `configured`: `SETTINGS.mlp_tile_tokens` (0: one tile of everything)."""
+def tile_tokens(num_tokens: int, hidden_size: int, intermediate_width: int, configured: int | str = AUTO,
+                longest: int | None = None) -> int:
+    """Tokens (rows) per tile over `num_tokens` (module docstring); `intermediate_width`: the numbers one token holds
+    in the intermediates; `configured`: `SETTINGS.mlp_tile_tokens` (0: one tile of everything); `longest`: with the
+    automatic rule, no tile holds more tokens than this (at least `MIN_TILE`)."""
     if configured != AUTO:
         return configured or num_tokens
     proportional = math.ceil(num_tokens / max(1, intermediate_width // (hidden_size * INTERMEDIATE_PER_HIDDEN)))
-    count = max(1, min(math.ceil(num_tokens / proportional), num_tokens // MIN_TILE))
+    wanted = math.ceil(num_tokens / proportional)
+    if longest is not None:
+        wanted = max(wanted, math.ceil(num_tokens / max(longest, MIN_TILE)))
+    count = max(1, min(wanted, num_tokens // MIN_TILE))
     return math.ceil(num_tokens / count)
+
+
+def mlp_tile_tokens(num_tokens: int, hidden_size: int, intermediate_width: int,
+                    configured: int | str = AUTO) -> int:
+    """Tokens per tile of an MLP of `hidden_size` over `num_tokens` tokens (module docstring): `tile_tokens` with
+    tiles of at most `hidden_size` tokens. The plan prices the same rule (`planning.memory.mlp_share`)."""
+    return tile_tokens(num_tokens, hidden_size, intermediate_width, configured, longest=hidden_size)
 
 
 def tile_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
@@ -131,7 +145,7 @@ def run_in_tiles(fn: Callable, tiled: Sequence[torch.Tensor], module: torch.nn.M
     """`fn(*tiled)` over tiles of the tokens (dim 0 of every `tiled` tensor), fn reading `module`'s parameters; None
     when the tokens make one tile (the caller then runs its stock forward)."""
     tokens = tiled[0].shape[0]
-    size = tile_tokens(tokens, hidden_size, intermediate_width, SETTINGS.mlp_tile_tokens)
+    size = mlp_tile_tokens(tokens, hidden_size, intermediate_width, SETTINGS.mlp_tile_tokens)
     if size >= tokens or _zero3_gathers_per_child_call(module):
         return None
     params = [p for p in module.parameters() if p.requires_grad]

@@ -15,6 +15,13 @@ from .training import Training
 DESCRIPTION = ("Plan before you book: a cost model of one CP training step — per-rank peak memory and step time — "
                "for each CP")
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"{text}: a tile holds at least 1 (--no-mlp-tiles / --no-vision-tiles price tiling off)")
+    return value
+
+
 def _pixels(text: str, parts: int) -> tuple[int, ...]:
     values = tuple(int(v) for v in text.lower().split("x"))
     if len(values) != parts:
@@ -59,6 +66,10 @@ def main(argv=None) -> int:
                     help="price VLMCP_OFFLOAD_CHECKPOINTS=1: the checkpointed inputs in host memory")
     tr.add_argument("--no-mlp-tiles", dest="tiled_mlp", action="store_false",
                     help="price VLMCP_MLP_TILE_TOKENS=0 (the MLPs whole; by default they run in tiles under CP)")
+    tr.add_argument("--mlp-tile-tokens", type=_positive,
+                    help="price VLMCP_MLP_TILE_TOKENS=N (tokens per MLP tile; by default the package's automatic rule)")
+    tr.add_argument("--vision-tile-patches", type=_positive,
+                    help="price VLMCP_VISION_TILE_PATCHES=N (patches per vision tile; by default the automatic rule)")
     tr.add_argument("--no-recompute-norms", dest="recompute_norms", action="store_false",
                     help="price VLMCP_RECOMPUTE_NORMS=0 (the RMSNorms keep their fp32 intermediates; by default they "
                     "keep their input only under CP, recomputed in backward)")
@@ -86,7 +97,8 @@ def main(argv=None) -> int:
     training = Training(sharding=a.sharding, gradient_checkpointing=not a.no_gradient_checkpointing, dp=a.dp,
                         offload_optimizer=a.offload_optimizer, freeze_vision=a.freeze_vision,
                         ring_overlap=a.ring_overlap, offload_checkpoints=a.offload_checkpoints,
-                        tiled_mlp=a.tiled_mlp, tiled_vision=a.tiled_vision, recompute_norms=a.recompute_norms)
+                        tiled_mlp=a.tiled_mlp, tiled_vision=a.tiled_vision, recompute_norms=a.recompute_norms,
+                        mlp_tile_tokens=a.mlp_tile_tokens, vision_tile_patches=a.vision_tile_patches)
     rates = {k: getattr(a, k) for k in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs",
                                          "ib_gbs", "ring_hidden")}
     rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None

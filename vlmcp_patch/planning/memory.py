@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..tiles import tile_tokens
+from ..settings import AUTO
+from ..tiles import mlp_tile_tokens as package_mlp_tile_tokens
 from ..vision_tiles import tile_patches
 from .dims import ModelDims
 from .layouts import replicated
@@ -41,16 +42,18 @@ def norm_elements(d: ModelDims, bytes_per_value: int) -> dict[str, float]:
             "final": per * d.hidden}
 
 
-def mlp_tile_tokens(tokens: int, hidden: int, width: int) -> int:
+def mlp_tile_tokens(tokens: int, hidden: int, width: int, configured: int | None = None) -> int:
     """Tokens per tile of an MLP over `tokens` tokens whose intermediates hold `width` numbers per token: the
-    package's own automatic rule (`tiles.tile_tokens`)."""
-    return tile_tokens(tokens, hidden, width) if tokens > 0 else 0
+    package's own rule (`tiles.mlp_tile_tokens`), automatic or `configured` (`VLMCP_MLP_TILE_TOKENS`)."""
+    if tokens <= 0:
+        return 0
+    return package_mlp_tile_tokens(tokens, hidden, width, AUTO if configured is None else configured)
 
 
-def mlp_share(tokens: int, hidden: int, width: int, tiled: bool) -> float:
+def mlp_share(tokens: int, hidden: int, width: int, tiled: bool, configured: int | None = None) -> float:
     """The share of a slice's MLP intermediates alive at once while its layer is recomputed: one tile's when the
     MLP runs in tiles, else all of them."""
-    return mlp_tile_tokens(tokens, hidden, width) / tokens if tiled and tokens else 1.0
+    return min(1.0, mlp_tile_tokens(tokens, hidden, width, configured) / tokens) if tiled and tokens else 1.0
 
 
 def deltanet_elements(d: ModelDims, ulysses: int) -> float:
@@ -94,15 +97,15 @@ def merger_elements(d: ModelDims) -> float:
 
 
 def vision_tile(d: ModelDims, t: Training, patches: int, size: int) -> int:
-    """Patches of one tile of the vision tower over a rank's `patches` (the package's automatic rule,
-    `vision_tiles.tile_patches`); 0 when the tower runs untiled: tiling off, CP off, FSDP (which gathers the tower
+    """Patches of one tile of the vision tower over a rank's `patches` (the package's rule,
+    `vision_tiles.tile_patches`: automatic, or `t.vision_tile_patches`); 0 when the tower runs untiled: tiling off, CP off, FSDP (which gathers the tower
     module by module: the package runs it whole), or one tile. ZeRO-3 tiles: the package makes the tower a ZeRO-3
     leaf, gathered whole once per call (`vision_tower_gathered`)."""
     if not (t.tiled_vision and size > 1 and d.vision_depth and patches) or t.sharding == "fsdp":
         return 0
     work = d.vision_depth * vision_elements(d)
     kept = d.hidden * (1 + d.deepstack) / d.merge**2
-    tile = tile_patches(patches, work, kept)
+    tile = tile_patches(patches, work, kept, AUTO if t.vision_tile_patches is None else t.vision_tile_patches)
     return tile if tile < patches else 0
 
 
@@ -195,12 +198,13 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     tiled = t.tiled_mlp and size > 1
     mlp = 4 * d.intermediate  # the decoder MLP's intermediates per token: alive in its recompute (or one tile's)
     if tiled:  # the MLPs' intermediates (4 I per token, 2 I_v per patch) are kept per tile, or not at all
-        keep = mlp_share(local, d.hidden, 4 * d.intermediate, tiled) if t.gradient_checkpointing else 0.0
+        keep = (mlp_share(local, d.hidden, 4 * d.intermediate, tiled, t.mlp_tile_tokens)
+                if t.gradient_checkpointing else 0.0)
         att -= (1 - keep) * 4 * d.intermediate
         dn = dn - (1 - keep) * 4 * d.intermediate if dn else 0.0
         mlp *= keep
         if vis:
-            keep_v = (mlp_share(patches, d.vision_width, 2 * d.vision_intermediate, tiled)
+            keep_v = (mlp_share(patches, d.vision_width, 2 * d.vision_intermediate, tiled, t.mlp_tile_tokens)
                       if t.gradient_checkpointing else 0.0)
             vis -= (1 - keep_v) * 2 * d.vision_intermediate
     features = vision_local * d.hidden * (1 + d.deepstack)  # merged + deepstack features routed to this rank
@@ -228,12 +232,10 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     else:
         decoder = b * local * d.hidden * d.layers
         vision = 0.0 if tile else b * patches * d.vision_width * d.vision_depth  # tiled: no block checkpoints
-        prefetched = 0.0
-        if t.offload_checkpoints:  # all but the last layer's input go to the host; in backward, beside the input of
-            # the layer recomputed, the next one's comes back (prefetched)
+        if t.offload_checkpoints:  # all but the last layer's input go to the host (in backward, beside the input of
+            # the layer recomputed, the next one's comes back: `beside_a_recomputed_layer`)
             m.host = decoder - b * local * d.hidden + vision  # the pool: every input but the last layer's
             decoder, vision = b * local * d.hidden, 0.0
-            prefetched = local * d.hidden if d.layers > 1 else 0.0
         # the untiled tower's mergers keep their activations to the end of the step (they are not checkpointed),
         # and with them the block outputs they read, on the device even when the blocks' inputs are offloaded
         if not tile:
@@ -244,20 +246,19 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
         # has run: gone before the first layer is recomputed (measured: `tests/test_plan.py`, the backward's peak)
         m.forward_only = b * (features + final)
         # one layer is recomputed at a time: its activations, the gradient flowing through it (2 hidden states)
-        # and its own exchange buffers — the largest of the layer kinds and the vision block. The gradients of the
-        # deepstack features arrive as the layers that add them are recomputed (all of them by layer 0), those of
-        # the merged features at the embedding, before the tower's backward
+        # and its own exchange buffers — the largest of the layer kinds and the vision block — beside the
+        # checkpoints and feature gradients alive at the worst layer. The tower's backward comes after every
+        # decoder layer's (no decoder checkpoint left), with the gradients of the merged and deepstack features
         gradient = 2 * d.hidden
-        deepstack_grads = vision_local * d.hidden * d.deepstack
         mlp_work = c.mlp_work * mlp
-        around = prefetched + deepstack_grads  # beside any decoder layer's recompute
+        around = beside_a_recomputed_layer(d, local, vision_local, t.offload_checkpoints)
         kinds = ([(local * (c.attention_work * (att - mlp) + mlp_work + gradient) + around, attention_x)]
                  if d.full_layers else [])
         if d.linear_layers:
             kinds.append((local * (c.deltanet_work * (dn - mlp) + mlp_work + gradient) + around, deltanet_x))
         if d.vision_depth:
             tower = tile_work if tile else patches * (c.vision_work * vis + 2 * d.vision_width)
-            kinds.append((tower + features, 0.0))
+            kinds.append((tower + features - decoder / b, 0.0))
         working, exchange = max(kinds, key=sum)
         m.working, m.exchange = b * working, b * exchange
     # the fused head: one chunk of fp32 logits (turned into their gradient in place), its copy in the head's dtype
@@ -282,6 +283,23 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     # step, at P = 1 the whole batch is there (in tiles, a tile's pixels only, in its working set)
     m.batch = 32.0 * row.tokens + (0 if tile else b * patches * d.patch_values)
     return m
+
+
+def beside_a_recomputed_layer(d: ModelDims, local: int, vision_local: int, offloaded: bool) -> float:
+    """Elements alive beside the decoder layer recomputed in backward, counted from the decoder checkpoints
+    `Memory.activations` holds at the forward's end, at the layer where they are most. Backward runs the layers from
+    the last to the first: layer i's recompute sees the deepstack features' gradients of layers i..D-1 (each arrives
+    as backward passes the layer that adds it) and the checkpoints not yet used. Offloaded: the device holds the
+    recomputed layer's input (the one `activations` counts) and, above layer 0, the next one's, prefetched. On the
+    device: the inputs of layers 0..i, those above gone with their backward. (Measured: `benchmarks.plan_measure
+    --work`; a probe of the live tensors at the peak shows layer 1's recompute beside layer 0's prefetched input and
+    the deepstack gradients of layers 1 and 2.)"""
+    def at(layer: int) -> float:
+        arrived = max(0, d.deepstack - layer) * vision_local * d.hidden
+        if offloaded:
+            return arrived + (local * d.hidden if layer > 0 else 0.0)
+        return arrived - (d.layers - 1 - layer) * local * d.hidden
+    return max(at(layer) for layer in range(d.layers))
 
 
 def exchange_elements(d: ModelDims, t: Training, local: int, ulysses: int, ring: int) -> tuple[float, float]:

@@ -91,23 +91,28 @@ def sizing_table(gpu: str = "h100", gpus_per_node: int = 8, max_gpus: int = 256)
     return "\n".join(lines)
 
 
+# The setups of the longest-row table: (what is offloaded, the step's training). The last is ALST's (DeepSpeed's
+# optimizer offload beside the checkpoints'), for a like-for-like comparison with its published lengths.
+LONGEST_SETUPS = (("nothing", Training()), ("checkpoints", Training(offload_checkpoints=True)),
+                  ("checkpoints, optimizer", Training(offload_checkpoints=True, offload_optimizer=True)))
+
+
 def longest_table(gpus_per_node: int = 8, gpus=("h100", "h200")) -> str:
-    """Markdown: for each model of the sizing table, the longest video row on one node of `gpus_per_node` GPUs,
-    with the checkpoints on the GPU and offloaded (ZeRO-3, checkpointing, MLPs in tiles, the default rates)."""
+    """Markdown: for each model of the sizing table, the longest video row on one node of `gpus_per_node` GPUs in
+    each of `LONGEST_SETUPS` (ZeRO-3, checkpointing, MLPs in tiles, the default rates)."""
     from .longest import longest_row
 
-    lines = ["| model | GPUs | checkpoints | longest video row | U x R | peak GiB / GPU | step s | host GiB / node | "
+    lines = ["| model | GPUs | offloaded | longest video row | U x R | peak GiB / GPU | step s | host GiB / node | "
              "copies s (exposed) |", "|---|---|---|---|---|---|---|---|---|"]
     for name in SIZING_MODELS:
         for gpu in gpus:
-            for offload in (False, True):
-                best = longest_row(name, "video", gpu, gpus_per_node, Training(offload_checkpoints=offload))
-                where = "host" if offload else "GPU"
+            for where, training in LONGEST_SETUPS:
+                best = longest_row(name, "video", gpu, gpus_per_node, training)
                 if best.row is None:
                     lines.append(f"| {name} | {gpus_per_node} {gpu.upper()} | {where} | none | | | | | |")
                     continue
                 r, tm = best.row, best.row.time
-                copies = f"{tm.offload_copies:.1f} ({tm.offload:.1f})" if offload else "—"
+                copies = f"{tm.offload_copies:.1f} ({tm.offload:.1f})" if training.offload_checkpoints else "—"
                 lines.append(f"| {name} | {gpus_per_node} {gpu.upper()} | {where} | {best.tokens:,} "
                              f"({best.tokens / 2**20:.2f}M) | {r.ulysses} x {r.ring} | {r.peak_gib:.1f} | "
                              f"{tm.total:.0f} | {r.host_gib_per_node:.0f} | {copies} |")

@@ -19,6 +19,8 @@ class Training:
     over tiles of items (`VLMCP_VISION_TILE_PATCHES`, automatic tiles), under CP only, not under FSDP (which
     gathers the tower module by module: the package runs it whole; ZeRO-3 gathers it whole as a leaf module and it
     tiles) — False prices `VLMCP_VISION_TILE_PATCHES=0`;
+    `mlp_tile_tokens` / `vision_tile_patches`: the tiles' size where set (`VLMCP_MLP_TILE_TOKENS=N`,
+    `VLMCP_VISION_TILE_PATCHES=N`), else (None) the package's automatic rules;
     `stock_head`: full-vocabulary fp32 logits (a head without chunking); `frozen_head`: the LM head's weight does not
     train (LoRA, frozen tied embeddings): no fp32 gradient of it, nor the fp32 copy of a chunk that makes it."""
 
@@ -30,6 +32,8 @@ class Training:
     offload_checkpoints: bool = False
     tiled_mlp: bool = True
     tiled_vision: bool = True
+    mlp_tile_tokens: int | None = None
+    vision_tile_patches: int | None = None
     recompute_norms: bool = True  # under CP the decoder's RMSNorms keep their input only (`VLMCP_RECOMPUTE_NORMS`)
     stock_head: bool = False
     frozen_head: bool = False
@@ -62,5 +66,5 @@ class Constants:
 # Fitted by `python -m benchmarks.plan_check --fit` on this repository's CPU runs (fp32, torch's sdpa and its
 # pure-torch delta rule; docs/plan.md "checked against measurements"). The DeltaNet ones carry the torch fallback's
 # intermediates: with flash-linear-attention's kernels on a GPU they overestimate.
-CALIBRATED = Constants(attention=0.934, deltanet=2.228, vision=0.956, attention_work=0.512, deltanet_work=2.368,
-                       vision_work=0.903, mlp_work=1.868)
+CALIBRATED = Constants(attention=0.934, deltanet=2.228, vision=0.956, attention_work=0.517, deltanet_work=2.368,
+                       vision_work=0.932, mlp_work=1.867)
