@@ -304,16 +304,18 @@ def beside_a_recomputed_layer(d: ModelDims, local: int, vision_local: int, offlo
 
 def exchange_elements(d: ModelDims, t: Training, local: int, ulysses: int, ring: int) -> tuple[float, float]:
     """(softmax layer, DeltaNet layer) exchange buffers of a rank, in elements of the activations' dtype: the
-    all-to-all's send and receive buffers (q, k, v; DeltaNet's q, k, v and gates), across a ring the K/V in flight
+    all-to-all's send and receive buffers of the largest tensor a layer exchanges (it exchanges q, k, v and the
+    output one after the other — DeltaNet's q, k, v, gates and output — and each exchange holds two buffers of the
+    tensor it moves, `collectives.differentiable._all_to_all`), across a ring the K/V in flight
     and the next, under sdpa the ring's fp32 tiles (scores, masked scores and probabilities alive at once), and the
     DeltaNet (M, B) of every chunk (2R chunks x H_v / U heads x d_k x (d_k + d_v), fp32)."""
     b = t.bytes_per_value
     hd, kv = d.heads * d.head_dim, replicated(d.kv_heads, d.heads, ulysses) * d.head_dim
-    attention = 2 * local * (hd + 2 * kv) if ulysses > 1 else 0.0
+    attention = 2 * local * max(hd, kv) if ulysses > 1 else 0.0
     deltanet = 0.0
     if d.linear_layers and ulysses > 1:
         k_rep = replicated(d.linear_k_heads, d.linear_v_heads, ulysses) * d.linear_k_dim
-        deltanet = 2 * local * (2 * k_rep + d.linear_v_heads * d.linear_v_dim + 2 * d.linear_v_heads)
+        deltanet = 2 * local * max(k_rep, d.linear_v_heads * d.linear_v_dim)
     if ring > 1:
         attention += 4 * local * kv
         if t.attention == "sdpa":

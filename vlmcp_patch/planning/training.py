@@ -66,5 +66,5 @@ class Constants:
 # Fitted by `python -m benchmarks.plan_check --fit` on this repository's CPU runs (fp32, torch's sdpa and its
 # pure-torch delta rule; docs/plan.md "checked against measurements"). The DeltaNet ones carry the torch fallback's
 # intermediates: with flash-linear-attention's kernels on a GPU they overestimate.
-CALIBRATED = Constants(attention=0.934, deltanet=2.228, vision=0.956, attention_work=0.517, deltanet_work=2.368,
-                       vision_work=0.932, mlp_work=1.867)
+CALIBRATED = Constants(attention=0.934, deltanet=2.228, vision=0.956, attention_work=0.723, deltanet_work=2.451,
+                       vision_work=0.932, mlp_work=1.607)
