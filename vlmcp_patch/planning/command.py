@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 from .dims import MODELS, model_dims
@@ -15,10 +16,12 @@ from .training import Training
 DESCRIPTION = ("Plan before you book: a cost model of one CP training step — per-rank peak memory and step time — "
                "for each CP")
 
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
-        raise ValueError(f"{text}: a tile holds at least 1 (--no-mlp-tiles / --no-vision-tiles price tiling off)")
+        raise argparse.ArgumentTypeError(f"{text}: a tile holds at least 1 (--no-mlp-tiles / --no-vision-tiles price "
+                                         "tiling off)")
     return value
 
 
@@ -31,8 +34,6 @@ def _pixels(text: str, parts: int) -> tuple[int, ...]:
 
 def main(argv=None) -> int:
     """`python -m vlmcp_patch plan ...`: print the table for one model and row."""
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m vlmcp_patch plan", description=DESCRIPTION)
     p.add_argument("--model", default="qwen3-vl-8b",
                    help=f"{', '.join(MODELS)}, tiny-qwen3-vl, tiny-qwen3.5, or a config.json (file or folder)")

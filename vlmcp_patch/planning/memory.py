@@ -98,9 +98,9 @@ def merger_elements(d: ModelDims) -> float:
 
 def vision_tile(d: ModelDims, t: Training, patches: int, size: int) -> int:
     """Patches of one tile of the vision tower over a rank's `patches` (the package's rule,
-    `vision_tiles.tile_patches`: automatic, or `t.vision_tile_patches`); 0 when the tower runs untiled: tiling off, CP off, FSDP (which gathers the tower
-    module by module: the package runs it whole), or one tile. ZeRO-3 tiles: the package makes the tower a ZeRO-3
-    leaf, gathered whole once per call (`vision_tower_gathered`)."""
+    `vision_tiles.tile_patches`: automatic, or `t.vision_tile_patches`); 0 when the tower runs untiled: tiling off,
+    CP off, FSDP (which gathers the tower module by module: the package runs it whole), or one tile. ZeRO-3 tiles:
+    the package makes the tower a ZeRO-3 leaf, gathered whole once per call (`vision_tower_gathered`)."""
     if not (t.tiled_vision and size > 1 and d.vision_depth and patches) or t.sharding == "fsdp":
         return 0
     work = d.vision_depth * vision_elements(d)
