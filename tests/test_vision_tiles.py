@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL
-from tests.helpers.vision_tile_cases import CASES, run_vision_tile_cases
+from tests.helpers.vision_tile_cases import CASES, run_pixel_moves, run_vision_tile_cases
 from tests.helpers.zero3_vision_cases import run_zero3_vision_cases
 from vlmcp_patch.vision_tiles import Tile, plan_tiles, tile_patches
 
@@ -144,6 +144,19 @@ def test_tiles_equal_the_whole_tower_with_pixel_gradients():
     assert len(fired) == len(list(tower.parameters()))  # once each
     for got, want in zip([p.grad for p in tower.parameters()] + [pixels.grad], expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cp_step_moves_each_tiles_pixel_rows_not_the_share():
+    """A real CP step at P=2 with the pixels where the tower is not (every move of the caller's pixels copies, as from
+    the host): untiled, each rank moves its share once; in tiles, only a tile's rows at a time, forward and again in
+    the tile's recompute — the share's rows twice over, never the share at once (`forward.vision.encode_items` hands
+    the tiled tower the caller's view). The loss is the same either way."""
+    results = run_distributed(run_pixel_moves, 2, timeout=600)
+    for rank, by_tile in enumerate(results):
+        (share,), tiled = by_tile[0]["rows"], by_tile[32]["rows"]
+        assert len(tiled) >= 4 and sum(tiled) == 2 * share, (rank, by_tile)
+        assert max(tiled) < share, (rank, by_tile)
+        assert by_tile[32]["loss"] == pytest.approx(by_tile[0]["loss"], rel=1e-6)
 
 
 def test_each_tile_moves_its_own_pixel_rows_when_it_runs():

@@ -70,3 +70,40 @@ def run_vision_tile_cases(rank: int, world_size: int) -> dict:
     finally:
         vlmcp_patch.enable(vision_tile_patches="auto")
     return results
+
+
+def run_pixel_moves(rank: int, world_size: int) -> dict:
+    """Per vision tile setting (0: untiled, 32 patches), the rows of each move of the caller's pixels to the tower's
+    device and dtype that this rank's CP step made, forward and backward. The pixels are given in float64 and the
+    tower computes in float32, so every move copies, as one from the host to a GPU does (the integrations leave the
+    pixels on the host under CP). Also the step's loss, the same whatever the tiles."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import vlmcp_patch
+
+    class Moves(TorchDispatchMode):
+        rows: list
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if (func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float64
+                    and kwargs.get("device") is not None):  # a move to the tower, not the batch's fingerprint
+                self.rows.append(args[0].shape[0])
+            return func(*args, **kwargs)
+
+    results = {}
+    try:
+        for tile in (0, 32):
+            vlmcp_patch.enable(cp_size=world_size, vision_tile_patches=tile)
+            model, batch = _model_and_batch("qwen3_vl", True, VIDEO_GROUPS)
+            batch = {**batch, "pixel_values_videos": batch["pixel_values_videos"].double()}
+            moves = Moves()
+            moves.rows = []
+            with moves:
+                loss = model(**batch).loss
+                loss.backward()
+            results[tile] = {"rows": moves.rows, "loss": loss.item()}
+    finally:
+        vlmcp_patch.enable(cp_size=1, vision_tile_patches="auto")
+    return results
