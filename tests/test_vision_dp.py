@@ -111,3 +111,51 @@ def test_a_rank_without_images_runs_a_zero_gradient_placeholder_in_the_models_dt
     # The same vision gradient as P=1 up to bf16 rounding: no further from fp32 than stock bf16 is, give or take
     # its own rounding (a missing or doubled contribution would be off by the whole gradient).
     assert rank0["cp_vs_fp32"] <= 2 * rank0["stock_vs_fp32"]
+
+
+def deepstack_levels_the_decoder_adds(rank: int, world_size: int) -> dict:
+    """Per batch (images only; images and a video), the storages of the deepstack levels the CP decoder adds, and
+    the step's loss and gradients summed over the group against stock at P=1 (`parity.compare`)."""
+    import vlmcp_patch
+    from tests.helpers.cases import MULTI_IMAGE, VIDEO_AND_IMAGE, build_batch
+    from tests.helpers.parity import compare
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+
+    results = {}
+    for name, layout in (("images", MULTI_IMAGE), ("images and a video", VIDEO_AND_IMAGE)):
+        model, batch = build_model(tiny_qwen3_vl_config(), seed=1), build_batch(layout, seed=7)
+        text = model.model.language_model
+        storages = []
+
+        def recorded(hidden_states, visual_pos_masks, visual_embeds, stock=text._deepstack_process):
+            storages.append(visual_embeds.untyped_storage().data_ptr())
+            return stock(hidden_states, visual_pos_masks, visual_embeds)
+
+        text._deepstack_process = recorded
+        metrics = compare(model, batch, world_size)
+        del text._deepstack_process
+        results[name] = {"storages": storages, **metrics}
+    return results
+
+
+def test_the_decoder_adds_the_routed_deepstack_levels_not_stocks_copies():
+    """Stock's forward copies each deepstack level it is handed (`torch.cat` per item, transformers 5.18+) and keeps
+    the levels alive to its end: through the decoder's forward the vision features lived twice. Under CP the decoder
+    adds the levels the CP path returned, views of one routed tensor, and stock's copies go
+    (`forward.vision.use_the_routed_deepstack_levels`); with images and a video stock joins the levels into new
+    tensors, each its own. Exact against stock at P=1 either way."""
+    from tests.helpers.parity import TOL
+    from vlmcp_patch.fixtures.models import tiny_qwen3_vl_config
+
+    levels = len(tiny_qwen3_vl_config().vision_config.deepstack_visual_indexes)
+    for rank, by_batch in enumerate(run_distributed(deepstack_levels_the_decoder_adds, 2, timeout=600)):
+        for name, m in by_batch.items():
+            assert m["loss_err"] <= TOL and m["grad_err"] <= TOL, (name, rank, m["worst_grad"])
+            # the forwards, in `compare`'s order: stock's step and logits at P=1, then CP's step and logits
+            assert len(m["storages"]) == 4 * levels, (name, rank, m["storages"])
+        stock_step, _, cp_step, cp_logits = (by_batch["images"]["storages"][i * levels:(i + 1) * levels]
+                                             for i in range(4))
+        assert len(set(stock_step)) == levels, (rank, stock_step)  # stock: each level its own tensor
+        assert len(set(cp_step)) == 1 and len(set(cp_logits)) == 1, (rank, cp_step, cp_logits)  # one routed tensor
+        mixed_cp_step = by_batch["images and a video"]["storages"][2 * levels:3 * levels]
+        assert len(set(mixed_cp_step)) == levels, (rank, mixed_cp_step)  # stock's joint levels, left as they are

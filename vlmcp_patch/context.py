@@ -111,6 +111,9 @@ class CPContext:
     vision_shares: dict[str, VisionShare] = field(default_factory=dict)
     # The caller's 1D cumulative-lengths mask of a packed row, as given: a script's own attention layers read it.
     cumulative_lengths: torch.Tensor | None = None
+    # Per modality, the deepstack levels the CP vision path returned to stock's forward (`forward/vision.py`): the
+    # decoder reads them in place of stock's copies (`vision.use_the_routed_deepstack_levels`).
+    deepstack_levels: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     decoder_entered: bool = False  # set once by the text decoder that takes this forward (`take_for_decoder`)
     # Per ZeRO-3 leaf vision tower (by id), the anchor of its first call in this forward as that call's hooks passed it
     # on: the later calls' anchors derive from it (`forward/vision.tower_call`).

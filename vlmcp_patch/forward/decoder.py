@@ -11,6 +11,9 @@ from ..errors import UnsupportedSetupError
 from ..patching import cp_size
 from ..supported import unsupported_model_message
 from .arguments import CACHE_KEYWORDS, call_arguments
+from .vision import use_the_routed_deepstack_levels
+
+DEEPSTACK_KWARG = "deepstack_visual_embeds"  # Qwen3-VL's text decoder: the vision levels its first layers add
 
 
 def _three_rows(positions: torch.Tensor) -> torch.Tensor:
@@ -65,6 +68,7 @@ def text_model_forward(wrapped, instance, args, kwargs):
     if carry_context_into_foreign_attention(instance) and ctx.cumulative_lengths is not None:
         call["attention_mask"] = ctx.cumulative_lengths  # a script's own attention reads the caller's boundaries
     call[CTX_KWARG] = ctx
+    use_the_routed_deepstack_levels(call.get(DEEPSTACK_KWARG), ctx)
     return _tied_to_collectives(wrapped(**call), ctx)
 
 

@@ -264,7 +264,32 @@ def cp_image_features(wrapped, instance, args, kwargs, deepstack_per_item: bool 
         out, joined = features_of_slice(instance.visual, pixels, grid, ctx.vision_tokens[modality],
                                         ctx.vision_shares[modality], ctx, call)
     out = _split_joined(out, joined, deepstack_per_item)
+    levels = getattr(out, "deepstack_features", None)
+    if levels is not None:
+        ctx.deepstack_levels[modality] = [level[0] if isinstance(level, tuple) else level for level in levels]
     return out if return_dict else out.to_tuple()
+
+
+def use_the_routed_deepstack_levels(levels: list, ctx: CPContext) -> None:
+    """Give the decoder the deepstack levels this path returned, in place of stock's copies (in `levels`, the list
+    the decoder reads). Stock's forward copies each level (`torch.cat` per item, transformers 5.18+) and keeps the
+    levels it was handed alive to its end: the features then live twice through the decoder's forward, where a long
+    video row's peak is. With one modality the copies hold the same values as the returned levels (a cat of one
+    tensor), and once the list holds the levels themselves the copies go. Anything else is left as it is: images
+    and videos together (stock joins their levels into new tensors), or a list that does not match the levels. The
+    context lets go of the levels here: it lives on in the backward graph, and they would keep the features there."""
+    recorded = list(ctx.deepstack_levels.values())
+    ctx.deepstack_levels.clear()
+    if len(recorded) != 1 or not isinstance(levels, list) or not levels:
+        return
+    (routed,) = recorded
+    if len(routed) != len(levels) or all(theirs is ours for theirs, ours in zip(levels, routed)):
+        return
+    for theirs, ours in zip(levels, routed):
+        if not (isinstance(theirs, torch.Tensor) and theirs.shape == ours.shape and theirs.dtype == ours.dtype
+                and theirs.device == ours.device and torch.equal(theirs, ours)):
+            return
+    levels[:] = routed
 
 
 class _Anchored:

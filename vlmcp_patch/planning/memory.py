@@ -128,6 +128,9 @@ class Memory:
     working: float = 0.0  # the recomputed layer's working set with the feature gradients alive then (checkpointing)
     head: float = 0.0  # one chunk of fp32 logits and its companions
     head_weight: float = 0.0  # beside the head's chunk: the head weight's fp32 gradient, ZeRO-3's gathered lm_head
+    # with checkpointing, the decoder's forward at its peak layer beside what `activations` holds: the vision
+    # features, the embeddings and the previous layer's output, one layer's forward working set
+    forward_decoder: float = 0.0
     host: float = 0.0  # the checkpoint offload's host pool of this rank (not on the device: not in `total`)
     host_optimizer: float = 0.0  # the optimizer offloaded to the host (not in `total`)
     exchange: float = 0.0  # all-to-all send/receive buffers, ring K/V in flight, DeltaNet state gathers
@@ -135,12 +138,13 @@ class Memory:
 
     @property
     def total(self) -> float:
-        """The peak: what lives through the step, plus the larger of two phases' transients, never alive together —
-        the end of the forward (the features and the final norm, the head's chunk and the head weight's fp32
-        gradient, which the fused head makes there) and one layer's recompute in backward (its working set with its
-        exchange buffers and the feature gradients arrived by then)."""
+        """The peak: what lives through the step, plus the largest of three phases' transients, never alive
+        together — the decoder's forward (`forward_decoder`), the end of the forward (the features and the final norm,
+        the head's chunk and the head weight's fp32 gradient, which the fused head makes there) and one layer's
+        recompute in backward (its working set with its exchange buffers and the feature gradients arrived by then)."""
         return (self.weights + self.gradients + self.optimizer + self.activations + self.batch
-                + max(self.working + self.exchange, self.forward_only + self.head + self.head_weight))
+                + max(self.working + self.exchange, self.forward_only + self.head + self.head_weight,
+                      self.forward_decoder))
 
     @property
     def host_total(self) -> float:
@@ -261,6 +265,15 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
             kinds.append((tower + features - decoder / b, 0.0))
         working, exchange = max(kinds, key=sum)
         m.working, m.exchange = b * working, b * exchange
+        # the decoder's forward at its layers: the vision features routed to the rank (the joined features, the
+        # base of the views stock's forward holds until the decoder returns) and stock's own copy of the merged
+        # features (its deepstack copies the decoder no longer reads: `vision.use_the_routed_deepstack_levels`), the
+        # embeddings and the previous layer's output, and one layer's forward working set, which is what its
+        # recompute keeps (measured: a probe at the forward's peak, layer 1 of the image-heavy rows in
+        # production-like MLP tiles)
+        layer_forward = max(c.attention_work * (att - mlp) if d.full_layers else 0.0,
+                            c.deltanet_work * (dn - mlp) if d.linear_layers else 0.0)
+        m.forward_decoder = b * (features + vision_local * d.hidden + local * (2 * d.hidden + layer_forward))
     # the fused head: one chunk of fp32 logits (turned into their gradient in place), its copy in the head's dtype
     # for the gradient matmuls (the matmul's own output before the upcast, as large) and, for the weight's fp32
     # gradient, that copy's fp32 cast (`.T.float()`; not when the head is frozen), and the slice's hidden-state
