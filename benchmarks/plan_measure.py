@@ -46,19 +46,21 @@ def memory_args(model: str, sample: str, gc: bool, tokens: int, layers: int, off
 
 
 def runs(args) -> list[dict]:
-    """The (model, sample, checkpointing, P and options) of each run asked for."""
+    """The (model, sample, checkpointing, P and options) of each run asked for; the tiles' sizes where set."""
+    tiles = {name: getattr(args, name) for name in ("mlp_tile_tokens", "vision_tile_patches") if getattr(args, name)}
     out = []
     for model in args.models:
         for sample in args.samples:
             for gc in (True,) if args.work else (False, True):
                 for size in args.sizes:
                     if not args.work:
-                        out.append({"model": model, "sample": sample, "gc": gc, "P": size})
+                        out.append({"model": model, "sample": sample, "gc": gc, "P": size, **tiles})
                         continue
                     # P = 1 never recomputes them
                     for recompute in (True,) if size == 1 or args.norms == "recomputed" else (True, False):
                         out.append({"model": model, "sample": sample, "gc": gc, "P": size, "offload": WORK["offload"],
-                                    "loss_chunk": WORK["loss_chunk"], "tiled_mlp": True, "recompute_norms": recompute})
+                                    "loss_chunk": WORK["loss_chunk"], "tiled_mlp": True, "recompute_norms": recompute,
+                                    **tiles})
     return out
 
 
@@ -91,9 +93,6 @@ def main(argv=None) -> None:
         if tuple(run.get(k) for k in keys) in seen:
             continue
         start = time.perf_counter()
-        for name in ("mlp_tile_tokens", "vision_tile_patches"):
-            if getattr(args, name):
-                run[name] = getattr(args, name)
         options = {k: run[k] for k in ("offload", "loss_chunk", "recompute_norms", "mlp_tile_tokens",
                                        "vision_tile_patches") if k in run}
         options["dtype"] = run["dtype"] = args.dtype
