@@ -140,3 +140,18 @@ def test_plan_measure_work_runs_each_cp_row_with_the_norms_recomputed_and_kept(t
     assert set(records) == {(1, True), (2, True), (2, False)}, records
     assert all(r["gc"] and r["offload"] and r["loss_chunk"] == 64 and r["peak"] > 0 for r in records.values())
     assert records[2, True]["peak"] < records[2, False]["peak"], records
+
+
+def test_plan_measure_keeps_the_tiles_asked_for_and_skips_a_run_it_has(tmp_path):
+    """With `--mlp-tile-tokens` / `--vision-tile-patches` each record names the tiles it ran with, and a second
+    invocation of the same command measures nothing again (the cache's key holds the tiles)."""
+    out = tmp_path / "plan_decoder.json"
+    args = ["--work", "--out", str(out), "--tokens", "2048", "--layers", "1", "--models", "qwen3-vl", "--samples",
+            "image-heavy", "--sizes", "2", "--norms", "recomputed", "--mlp-tile-tokens", "128",
+            "--vision-tile-patches", "256"]
+    for _ in range(2):
+        run = launch(ROOT / "benchmarks" / "plan_measure.py", args, launcher="python")
+        assert run.returncode == 0, run.stderr[-3000:]
+    records = json.loads(out.read_text())
+    assert len(records) == 1, records
+    assert records[0]["mlp_tile_tokens"] == 128 and records[0]["vision_tile_patches"] == 256, records
