@@ -11,6 +11,7 @@ gathers the features before keeping its own, as the previous release did.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers.harness import run_distributed
 from tests.helpers.memory_cases import allocations
@@ -31,3 +32,30 @@ def test_the_probe_catches_features_gathered_for_every_token():
     for res in run_distributed(allocations, 4, "qwen3_vl", "images", True, timeout=600):
         tokens = res["lengths"]["image tokens"]
         assert any(tokens in shape for shape, _, _ in res["offending"]), res["offending"][:5]
+
+
+def all_to_all_bytes(rank: int, world_size: int) -> dict:
+    """One exchange of q-shaped (batch, heads, tokens, dim) rows, heads for tokens: the most bytes alive at once
+    inside it beyond its input (`benchmarks.common.LiveBytes`), the input's bytes, and the output against the chunks
+    the ranks sent, concatenated along the tokens."""
+    import torch.distributed as dist
+
+    from benchmarks.common import LiveBytes
+    from vlmcp_patch.collectives.differentiable import _all_to_all
+
+    x = torch.arange(2 * 4 * 6 * 3, dtype=torch.float32).reshape(2, 4, 6, 3) + 1000 * rank
+    live = LiveBytes([x])
+    with live:
+        out = _all_to_all(x, 1, 2, dist.group.WORLD, world_size)
+    every = [x + 1000 * (r - rank) for r in range(world_size)]  # each rank's input
+    expected = torch.cat([t.chunk(world_size, dim=1)[rank] for t in every], dim=2)
+    return {"peak": live.peak(), "input": x.numel() * x.element_size(), "equal": bool(torch.equal(out, expected))}
+
+
+def test_an_exchange_holds_two_buffers_of_its_input_at_most():
+    """The all-to-all's send buffer is one copy, freed before the output is laid out from the receive buffer: at
+    most two buffers of the tensor it moves are alive beside it (chunk copies stacked into a send buffer kept to the
+    end held three). The values are the chunks each rank sent, in rank order."""
+    for rank, res in enumerate(run_distributed(all_to_all_bytes, 2, timeout=300)):
+        assert res["equal"], rank
+        assert res["peak"] <= 2 * res["input"], (rank, res)
