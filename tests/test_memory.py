@@ -34,10 +34,10 @@ def test_the_probe_catches_features_gathered_for_every_token():
         assert any(tokens in shape for shape, _, _ in res["offending"]), res["offending"][:5]
 
 
-def all_to_all_bytes(rank: int, world_size: int) -> dict:
-    """One exchange of q-shaped (batch, heads, tokens, dim) rows, heads for tokens: the most bytes alive at once
-    inside it beyond its input (`benchmarks.common.LiveBytes`), the input's bytes, and the output against the chunks
-    the ranks sent, concatenated along the tokens."""
+def all_to_all_allocations(rank: int, world_size: int) -> dict:
+    """One exchange of q-shaped (batch, heads, tokens, dim) rows, heads for tokens: the sizes of the tensors it
+    allocates (`benchmarks.common.LiveBytes`), the input's bytes, and the output against the chunks the ranks sent,
+    concatenated along the tokens."""
     import torch.distributed as dist
 
     from benchmarks.common import LiveBytes
@@ -49,13 +49,16 @@ def all_to_all_bytes(rank: int, world_size: int) -> dict:
         out = _all_to_all(x, 1, 2, dist.group.WORLD, world_size)
     every = [x + 1000 * (r - rank) for r in range(world_size)]  # each rank's input
     expected = torch.cat([t.chunk(world_size, dim=1)[rank] for t in every], dim=2)
-    return {"peak": live.peak(), "input": x.numel() * x.element_size(), "equal": bool(torch.equal(out, expected))}
+    return {"allocated": [size for _, size in live.events if size > 0], "input": x.numel() * x.element_size(),
+            "equal": bool(torch.equal(out, expected))}
 
 
-def test_an_exchange_holds_two_buffers_of_its_input_at_most():
-    """The all-to-all's send buffer is one copy, freed before the output is laid out from the receive buffer: at
-    most two buffers of the tensor it moves are alive beside it (chunk copies stacked into a send buffer kept to the
-    end held three). The values are the chunks each rank sent, in rank order."""
-    for rank, res in enumerate(run_distributed(all_to_all_bytes, 2, timeout=300)):
+def test_an_exchange_allocates_its_send_receive_and_output_buffers_only():
+    """The all-to-all lays its input out once as the send buffer (chunks first), receives, and lays the output out
+    from the receive buffer, dropping the send buffer first: three allocations of the input's size and nothing else
+    (chunk copies stacked into a send buffer made five). The values are the chunks each rank sent, in rank order.
+    The peak is not asserted: gloo's worker thread lets go of the send buffer when it is done with it, which some
+    runs see only after the output is laid out (3 x the input instead of 2 x)."""
+    for rank, res in enumerate(run_distributed(all_to_all_allocations, 2, timeout=300)):
         assert res["equal"], rank
-        assert res["peak"] <= 2 * res["input"], (rank, res)
+        assert res["allocated"] == [res["input"]] * 3, (rank, res)

@@ -23,9 +23,10 @@ from ..grad_shares import shares_of
 def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size: int) -> torch.Tensor:
     """Split `x` in `size` chunks along `scatter_dim`, send chunk j to rank j, concat received along `gather_dim`.
 
-    Two buffers of `x`'s size at most beside it: the send buffer is one copy of `x` with the chunks first and goes
-    before the output is laid out from the receive buffer (a send buffer built from chunk copies and kept to the end
-    held three, and the largest exchange of a layer sets its recomputed working set)."""
+    Three allocations of `x`'s size, two of them held here at once: the send buffer is one copy of `x` with the
+    chunks first, dropped before the output is laid out from the receive buffer (a send buffer built from chunk
+    copies and kept to the end held three; the largest exchange of a layer sits in its recomputed working set). The
+    backend may hold the send buffer a little longer: gloo's worker lets go of it when it is done."""
     if x.shape[scatter_dim] % size:
         raise ValueError(f"dimension {scatter_dim} of size {x.shape[scatter_dim]} cannot be split over {size} ranks")
     send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()
