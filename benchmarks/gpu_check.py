@@ -3,6 +3,11 @@
     python -m benchmarks.gpu_check                                   # one GPU
     torchrun --nproc-per-node N -m benchmarks.gpu_check              # N GPUs: adds the CP parity at P=N
     python -m benchmarks.gpu_check --dry-run                         # CPU, fp32, torch paths, tiny sizes
+    python -m benchmarks.gpu_check --sections 2,3                    # only these sections
+    python -m benchmarks.gpu_check --sections 8 --deterministic      # torch's deterministic algorithms
+
+A section that fails prints its traceback and the check goes on to the next (a lent GPU is lent for minutes); the
+exit code says whether any failed. Without flash-attn installed the attention runs in sdpa (section 1 says so).
 
 Sections (each prints its numbers; record them in docs/testing.md ("GPU check") with the date and the GPU):
 1. the environment: GPU, torch / CUDA, flash-attn, flash-linear-attention, causal-conv1d;
@@ -11,25 +16,32 @@ Sections (each prints its numbers; record them in docs/testing.md ("GPU check") 
    transformers, bf16;
 3. the gated DeltaNet head split against the stock layer run on each sample alone (at P = the number of
    GPUs; at P=1 the same code with the kernels' packed-sequence arguments);
-4. the per-rank workload: peak memory and tokens/s of forward + backward against the sequence length;
+4. the per-rank workload: peak memory (beside the plan's price of it) and tokens/s of forward + backward against
+   the sequence length;
 5. with several GPUs: CP parity of loss and gradients against P=1 on a multimodal packed row;
 6. the attained rates in the units `python -m vlmcp_patch plan` takes (matmul and attention TFLOP/s, the
    all-to-all's bus bandwidth in GB/s): printed as the flags to pass it, so one run calibrates the plan;
 7. with two GPUs or more: what a stalled CP collective looks like on NCCL — two ranks under torchrun, a CP group
    with a 10 s timeout, one rank never issuing the all-to-all: how long until the job ends, and how (docs/errors.md);
 8. checkpoint offload (`VLMCP_OFFLOAD_CHECKPOINTS`): a checkpointed training step with and without it — step time
-   (goal: at most 6 % slower), device peak, the host pool, gradients bit-identical;
+   (goal: at most 6 % slower), device peak beside the plan's price, the host pool, gradients bit-identical, with two
+   controls (each setting run twice): bit-identity needs `--deterministic`, as a GPU's attention backward is not;
 9. the tiled MLP (`tiles.py`): one Qwen3-VL-8B-sized decoder MLP over a long slice, forward + backward, in tiles
    against whole — device peak, time, gradients;
 10. the recomputed RMSNorms (`tiles.recomputed_norm_forward`): a Qwen3-VL-8B-sized norm over a long slice — the bytes
-   it keeps for backward, its step time and gradients, stock against recomputed in row tiles.
+   it keeps for backward, its step time and gradients, stock against recomputed in row tiles;
+11. the fused LM head (`loss.head_loss_sum`): Qwen3-VL-8B's head and its loss over one slice, stock against fused —
+   step time, device peak, gradients.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import os
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -43,6 +55,7 @@ from vlmcp_patch.fixtures.data import Segment as S
 from vlmcp_patch.fixtures.data import image_processor, make_packed_batch
 from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_5_config, tiny_qwen3_vl_config
 from vlmcp_patch.layout import segments_from_lengths
+from vlmcp_patch.planning import CALIBRATED, Row, Training, activation_memory, dims_from_config, package_ulysses
 from vlmcp_patch.report import kernels
 
 PACKED = [[S(text=40), S(image=(64, 96)), S(text=30)], [S(text=25), S(image=(96, 64)), S(text=9)], [S(text=57)]]
@@ -53,7 +66,7 @@ class Setup:
         self.dry_run = dry_run
         self.device = torch.device("cpu" if dry_run else "cuda", int(os.environ.get("LOCAL_RANK", 0)))
         self.dtype = torch.float32 if dry_run else torch.bfloat16
-        self.attn = "sdpa" if dry_run else "flash_attention_2"
+        self.attn = "sdpa" if dry_run or importlib.util.find_spec("flash_attn") is None else "flash_attention_2"
         self.rank = dist.get_rank() if dist.is_initialized() else 0
 
     def model(self, family: str):
@@ -81,7 +94,8 @@ class Setup:
 def environment(setup: Setup) -> None:
     setup.say("== 1. environment")
     gpu = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "none (dry run on CPU)"
-    setup.say(f"  GPU {gpu}; torch {torch.__version__}, CUDA {torch.version.cuda}")
+    setup.say(f"  GPU {gpu}; torch {torch.__version__}, CUDA {torch.version.cuda}; "
+              f"transformers {importlib.metadata.version('transformers')}; attention {setup.attn}")
     for line in kernels():
         setup.say(line)
 
@@ -116,10 +130,32 @@ def deltanet_split(setup: Setup) -> None:
     g = torch.Generator().manual_seed(0)
     row = torch.randn(1, sum(lengths), layer.hidden_size, generator=g).to(setup.device, setup.dtype)
     ctx = CPContext(cp=cp, segments=segments_from_lengths(lengths))
+    start = time.perf_counter()
     with torch.no_grad():
         ours = ctx.gather(layer(ctx.shard(row, dim=1), attention_mask=None, vlmcp_ctx=ctx), dim=1)
+        split = time.perf_counter()
+        setup.say(f"  the split layer ran in {split - start:.1f} s (the first call compiles any kernel)")
         stock = torch.cat([layer(row[:, a:b]) for a, b in ctx.segments], dim=1)
-    setup.say(f"  rel. error {rel_err(ours, stock):.2e} over {sum(lengths)} tokens in {len(lengths)} samples")
+    setup.say(f"  rel. error {rel_err(ours, stock):.2e} over {sum(lengths)} tokens in {len(lengths)} samples "
+              f"(stock per sample: {time.perf_counter() - split:.1f} s)")
+
+
+def planned_peak_gib(setup: Setup, model, tokens: int, samples: int, **training) -> float:
+    """The plan's price (`vlmcp_patch.planning`, its CPU-fitted constants) of this one-process step's device peak:
+    the model's weights and their gradients (no optimizer step here) and what `activation_memory` prices for a
+    row of `samples` equal samples at P=1, where the package runs no tiles and no recomputed norms."""
+    config = model.config
+    row = Row(tokens=tokens, vision_tokens=0, sample_tokens=-(-tokens // samples), patches_per_item=0, samples=samples)
+    element = next(model.parameters()).element_size()
+    plan = Training(sharding="none", bytes_per_value=element, attention=setup.attn, tiled_mlp=False,
+                    recompute_norms=False, **training)
+    dims = dims_from_config(config, type(model).__name__)
+    memory = activation_memory(dims, row, plan, CALIBRATED, 1, package_ulysses(dims, 1))
+    return (2 * element * sum(p.numel() for p in model.parameters()) + memory.total) / 2**30
+
+
+def _against_plan(measured: float, planned: float) -> str:
+    return f"plan {planned:.3f} GiB" + (f" ({planned / measured - 1:+.1%})" if measured == measured else "")
 
 
 def workload(setup: Setup, budget_s: float) -> None:
@@ -145,7 +181,9 @@ def workload(setup: Setup, budget_s: float) -> None:
             torch.cuda.synchronize(setup.device)
         seconds = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated(setup.device) / 2**30 if setup.device.type == "cuda" else float("nan")
-        setup.say(f"  {n:>6d} tokens: peak {peak:6.2f} GiB, {n / seconds:9.0f} tokens/s")
+        planned = planned_peak_gib(setup, model, n, 2, gradient_checkpointing=False)
+        setup.say(f"  {n:>6d} tokens: peak {peak:6.2f} GiB ({_against_plan(peak, planned)}), "
+                  f"{n / seconds:9.0f} tokens/s")
         model.zero_grad(set_to_none=True)
         if time.perf_counter() - start > budget_s:
             break
@@ -296,8 +334,10 @@ def _reset_peak(setup: Setup) -> None:
 
 
 def checkpoint_offload(setup: Setup) -> None:
-    """Section 8: one checkpointed step of a text row, the package's checkpoint offload off and on (one process,
-    P=1: the offload applies with CP or not)."""
+    """Section 8: one checkpointed step of a packed text row (two samples: the package's path and its chunked loss,
+    so the head's logits do not set the peak), the package's checkpoint offload off, off again (the control: is the
+    step itself deterministic on this GPU?), on, and on again (a race in the copies would differ between those two);
+    one process, P=1: the offload applies with CP or not."""
     from vlmcp_patch.offload import HOST_CHECKPOINTS
 
     tokens = 1024 if setup.dry_run else 32768
@@ -306,10 +346,10 @@ def checkpoint_offload(setup: Setup) -> None:
         MODELS["qwen3-vl"](layers=12, vision_depth=2), seed=0, dtype=setup.dtype).to(setup.device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    row, _ = make_packed_batch([[S(text=tokens)]], seed=0)
+    row, _ = make_packed_batch([[S(text=tokens // 2)], [S(text=tokens - tokens // 2)]], seed=0)
     row = {k: v.to(setup.device) if torch.is_tensor(v) else v for k, v in row.items()}
-    results = {}
-    for offload in (False, True):
+    results = []
+    for offload in (False, False, True, True):
         vlmcp_patch.enable(cp_size=1, offload_checkpoints=offload)
 
         def step():
@@ -319,14 +359,24 @@ def checkpoint_offload(setup: Setup) -> None:
         step()  # warm-up (and the host pool's first allocation)
         _reset_peak(setup)
         seconds = _seconds(setup, step, 1 if setup.dry_run else 5)
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[offload] = (seconds, _step_peak_gib(setup), grads)
+        # kept on the host: a copy on the device would count in the next run's peak
+        grads = {n: p.grad.detach().to('cpu', copy=True) for n, p in model.named_parameters() if p.grad is not None}
+        results.append((seconds, _step_peak_gib(setup), grads))
+    planned = [planned_peak_gib(setup, model, tokens, 2, gradient_checkpointing=True, offload_checkpoints=offload)
+               for offload in (False, True)]
     vlmcp_patch.enable(offload_checkpoints=False)
-    (t_off, peak_off, g_off), (t_on, peak_on, g_on) = results[False], results[True]
-    identical = g_off.keys() == g_on.keys() and all(torch.equal(g_off[n], g_on[n]) for n in g_off)
+    (t_off, peak_off, g_off), (_, _, g_again), (t_on, peak_on, g_on), (_, _, g_on_again) = results
+
+    def compared(grads: dict, reference: dict) -> str:
+        identical = grads.keys() == reference.keys() and all(torch.equal(grads[n], reference[n]) for n in reference)
+        worst = max(rel_err(grads[n], reference[n]) for n in reference)
+        return f"bit-identical {identical} (worst rel. error {worst:.2e})"
+
     setup.say(f"  step {t_off:.4f} s without, {t_on:.4f} s with offload: x{t_on / t_off:.3f} (goal <= 1.06); "
-              f"device peak {peak_off:.2f} -> {peak_on:.2f} GiB; host pool "
-              f"{HOST_CHECKPOINTS.pool.reserved / 2**30:.3f} GiB; gradients bit-identical: {identical}")
+              f"device peak {peak_off:.2f} -> {peak_on:.2f} GiB ({_against_plan(peak_off, planned[0])} -> "
+              f"{_against_plan(peak_on, planned[1])}); host pool {HOST_CHECKPOINTS.pool.reserved / 2**30:.3f} GiB")
+    setup.say(f"  gradients with offload against without: {compared(g_on, g_off)}; controls: without against "
+              f"without {compared(g_again, g_off)}, with against with {compared(g_on_again, g_on)}")
     model.gradient_checkpointing_disable()
 
 
@@ -358,13 +408,23 @@ def tiled_mlp(setup: Setup) -> None:
         _reset_peak(setup)
         TILES.drain()
         seconds = _seconds(setup, step, 1 if setup.dry_run else 5)
-        results[tiled] = (seconds, _step_peak_gib(setup), step(), {n: p.grad.clone() for n, p in mlp.named_parameters()})
+        peak = _step_peak_gib(setup)  # before the copies kept for the comparison, which go to the host
+        input_grad = step().cpu()
+        weight_grads = {n: p.grad.to("cpu", copy=True) for n, p in mlp.named_parameters()}
+        results[tiled] = (seconds, peak, input_grad, weight_grads)
     counts = TILES.drain()
     (t_whole, peak_whole, gx_whole, gp_whole), (t_tiled, peak_tiled, gx_tiled, gp_tiled) = results[False], results[True]
     worst = max(rel_err(gp_tiled[n], gp_whole[n]) for n in gp_whole)
     setup.say(f"  {counts['forward_tiles'] // max(1, counts['calls'])} tiles; step {t_whole:.4f} s whole, "
               f"{t_tiled:.4f} s tiled: x{t_tiled / t_whole:.3f}; device peak {peak_whole:.2f} -> {peak_tiled:.2f} GiB; "
               f"input gradient rel. error {rel_err(gx_tiled, gx_whole):.2e}, worst weight gradient {worst:.2e}")
+    # the plan's `mlp_work` (fitted on this repository's CPU, fp32) in the GPU's units: what the whole MLP's step holds
+    # above the weights, the input and output gradient and the gradients it makes, per 4 x intermediate per token
+    element = x.element_size()
+    fixed = sum(p.numel() for p in mlp.parameters()) * 2 * element + 3 * x.numel() * element
+    work = (peak_whole * 2**30 - fixed) / (tokens * 4 * inter * element)
+    setup.say(f"  the whole MLP's working set: {work:.3f} x (4 x intermediate) per token "
+              f"(the plan's mlp_work, fitted on CPU fp32: {CALIBRATED.mlp_work})")
 
 
 def recomputed_norm(setup: Setup) -> None:
@@ -406,36 +466,97 @@ def recomputed_norm(setup: Setup) -> None:
               f"{rel_err(gx_ours, gx_stock):.2e}, weight gradient {rel_err(gw_ours, gw_stock):.2e}")
 
 
+def fused_head(setup: Setup) -> None:
+    """Section 11: the package's fused LM head and loss (`loss.head_loss_sum`, in chunks, the weight's gradient
+    accumulated in fp32) against stock's (the logits, their fp32 upcast, cross-entropy), Qwen3-VL-8B's head (4096 x
+    151,936) over one slice of tokens, forward + backward: step time, device peak, gradients."""
+    import torch.nn.functional as F
+
+    from vlmcp_patch.loss import IGNORE_INDEX, chunk_tokens, head_loss_sum
+
+    tokens, hidden, vocab = (512, 64, 1000) if setup.dry_run else (32768, 4096, 151936)
+    setup.say(f"== 11. fused LM head: {tokens} tokens through a {hidden} x {vocab} head and its loss, stock and fused")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False).to(setup.device, setup.dtype)
+    h = torch.randn(tokens, hidden, device=setup.device, dtype=setup.dtype)
+    labels = torch.randint(vocab, (tokens,), device=setup.device)
+    labels[::7] = IGNORE_INDEX
+    chunk = chunk_tokens(tokens, hidden, vocab)
+    results = {}
+    for fused in (False, True):
+        def step():
+            head.zero_grad(set_to_none=True)
+            hs = h.detach().requires_grad_()
+            loss = head_loss_sum(hs, head, labels, chunk) if fused else F.cross_entropy(
+                head(hs).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+            loss.backward()
+            return hs.grad
+
+        step()
+        _reset_peak(setup)
+        seconds = _seconds(setup, step, 1 if setup.dry_run else 5)
+        peak = _step_peak_gib(setup)
+        input_grad = step().cpu()
+        results[fused] = (seconds, peak, input_grad, head.weight.grad.float().cpu())
+    (t_stock, peak_stock, gx_stock, gw_stock), (t_ours, peak_ours, gx_ours, gw_ours) = results[False], results[True]
+    setup.say(f"  chunks of {chunk} tokens; step {t_stock:.4f} s stock, {t_ours:.4f} s fused: x{t_ours / t_stock:.3f}; "
+              f"device peak {peak_stock:.2f} -> {peak_ours:.2f} GiB; input gradient rel. error "
+              f"{rel_err(gx_ours, gx_stock):.2e}, weight gradient {rel_err(gw_ours, gw_stock):.2e}")
+
+
+def run_section(setup: Setup, number: int, section, *args) -> bool:
+    """Run one section; a failure prints its traceback and returns False, so the sections after it still run."""
+    try:
+        section(setup, *args)
+        return True
+    except Exception:  # noqa: BLE001 - reported, and counted in the exit code
+        setup.say(f"  section {number} FAILED:\n" + traceback.format_exc(limit=8))
+        vlmcp_patch.apply()  # a section may have failed with the patches reverted or CP on
+        vlmcp_patch.enable(cp_size=1, offload_checkpoints=False)
+        return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, fp32, torch paths, tiny sizes")
     parser.add_argument("--workload-budget", type=float, default=120, help="seconds for section 4")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch's deterministic algorithms (an op without one raises), cuBLAS's fixed workspace")
+    parser.add_argument("--sections", default="", help="comma-separated section numbers to run (default: all)")
     parser.add_argument("--nccl-stall-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.nccl_stall_worker:
         return nccl_stall_worker()
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("gloo" if args.dry_run else "nccl")
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     setup = Setup(args.dry_run)
     if setup.device.type == "cuda":
         torch.cuda.set_device(setup.device)
-    environment(setup)
-    packed_boundaries(setup)
-    deltanet_split(setup)
-    workload(setup, args.workload_budget)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        cp_parity(setup)
-    plan_rates(setup)
-    if not args.dry_run and setup.rank == 0:
-        nccl_stall(setup)
-    if setup.rank == 0 and not (dist.is_initialized() and dist.get_world_size() > 1):
-        checkpoint_offload(setup)  # one process: the sections measure one rank's step
-        tiled_mlp(setup)
-        recomputed_norm(setup)
-    setup.say("gpu_check: done")
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    sections = [
+        (1, environment, ()),
+        (2, packed_boundaries, ()),
+        (3, deltanet_split, ()),
+        (4, workload, (args.workload_budget,)),
+        (5, cp_parity, ()) if several else None,
+        (6, plan_rates, ()),
+        (7, nccl_stall, ()) if not args.dry_run and setup.rank == 0 else None,
+        # one process: these sections measure one rank's step
+        *([(8, checkpoint_offload, ()), (9, tiled_mlp, ()), (10, recomputed_norm, ()), (11, fused_head, ())]
+          if setup.rank == 0 and not several else []),
+    ]
+    wanted = {int(n) for n in args.sections.split(",") if n.strip()}
+    failed = [number for number, section, extra in filter(None, sections)
+              if (not wanted or number in wanted) and not run_section(setup, number, section, *extra)]
+    setup.say("gpu_check: done" + (f"; sections that failed: {failed}" if failed else ""))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -30,12 +31,35 @@ def test_gpu_check_dry_run_offload_and_tiled_mlp_sections_in_one_process():
     several tiles and its gradients equal the whole MLP's."""
     out = launch(ROOT / "benchmarks" / "gpu_check.py", ["--dry-run"], launcher="python")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "== 8. checkpoint offload" in out.stdout and "gradients bit-identical: True" in out.stdout, out.stdout
+    assert "== 8. checkpoint offload" in out.stdout, out.stdout
+    comparisons = re.findall(r"bit-identical (True|False)", out.stdout)  # with against without, then two controls
+    assert comparisons == ["True"] * 3, out.stdout
+    planned = [float(v) for v in re.findall(r"plan ([\d.]+) GiB", out.stdout)]
+    assert len(planned) == 4 and all(v > 0 for v in planned), out.stdout  # section 4's two rows, section 8's two
     tiles = re.search(r"== 9\. tiled MLP.*\n  (\d+) tiles;.*input gradient rel\. error ([\d.e+-]+), worst weight "
                       r"gradient ([\d.e+-]+)", out.stdout)
     assert tiles and int(tiles.group(1)) > 1, out.stdout
     assert float(tiles.group(2)) <= 1e-5 and float(tiles.group(3)) <= 1e-5, out.stdout
     assert "host pool 0.000 GiB" not in out.stdout  # the pool held the checkpoints
+
+
+def test_gpu_check_reports_a_failing_section_and_runs_the_rest(monkeypatch, capsys):
+    """On a lent GPU one failing section must not cost the others: it prints its traceback, the sections after it
+    run, and the exit code says a section failed. `--sections` runs only those named."""
+    from benchmarks import gpu_check
+
+    def fails(setup):
+        raise RuntimeError("a kernel this GPU lacks")
+
+    monkeypatch.setattr(gpu_check, "deltanet_split", fails)
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--dry-run", "--sections", "1,3,6"])
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main()
+    out = capsys.readouterr().out
+    assert exited.value.code == 1
+    assert "section 3 FAILED" in out and "RuntimeError: a kernel this GPU lacks" in out, out
+    assert "== 6. attained rates" in out and "sections that failed: [3]" in out, out
+    assert "== 2." not in out and "== 4." not in out, out  # not asked for
 
 
 def test_padding_free_rows_leave_no_padding_per_rank():
