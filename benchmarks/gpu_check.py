@@ -6,8 +6,9 @@
     python -m benchmarks.gpu_check --sections 2,3                    # only these sections
     python -m benchmarks.gpu_check --sections 8 --deterministic      # torch's deterministic algorithms
 
-A section that fails prints its traceback and the check goes on to the next (a lent GPU is lent for minutes); the
-exit code says whether any failed. Without flash-attn installed the attention runs in sdpa (section 1 says so).
+In one process a section that fails prints its traceback and the check goes on to the next (a lent GPU is lent for
+minutes); the exit code says whether any failed. Without flash-attn installed the attention runs in sdpa (section 1
+says so).
 
 Sections (each prints its numbers; record them in docs/testing.md ("GPU check") with the date and the GPU):
 1. the environment: GPU, torch / CUDA, flash-attn, flash-linear-attention, causal-conv1d;
@@ -360,7 +361,7 @@ def checkpoint_offload(setup: Setup) -> None:
         _reset_peak(setup)
         seconds = _seconds(setup, step, 1 if setup.dry_run else 5)
         # kept on the host: a copy on the device would count in the next run's peak
-        grads = {n: p.grad.detach().to('cpu', copy=True) for n, p in model.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.grad is not None}
         results.append((seconds, _step_peak_gib(setup), grads))
     planned = [planned_peak_gib(setup, model, tokens, 2, gradient_checkpointing=True, offload_checkpoints=offload)
                for offload in (False, True)]
@@ -505,11 +506,15 @@ def fused_head(setup: Setup) -> None:
 
 
 def run_section(setup: Setup, number: int, section, *args) -> bool:
-    """Run one section; a failure prints its traceback and returns False, so the sections after it still run."""
+    """Run one section; in one process a failure prints its traceback and returns False, so the sections after it
+    still run. Under torchrun it raises: a rank that went on would issue the next section's collectives while its
+    peers wait in this one's."""
     try:
         section(setup, *args)
         return True
     except Exception:  # noqa: BLE001 - reported, and counted in the exit code
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise
         setup.say(f"  section {number} FAILED:\n" + traceback.format_exc(limit=8))
         vlmcp_patch.apply()  # a section may have failed with the patches reverted or CP on
         vlmcp_patch.enable(cp_size=1, offload_checkpoints=False)
