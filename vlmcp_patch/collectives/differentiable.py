@@ -97,6 +97,14 @@ class _GatherKeepLocalGrad(torch.autograd.Function):
 def gather_keep_local_grad(x: torch.Tensor, dim: int, group, size: int, rank: int) -> torch.Tensor:
     if size == 1:
         return x
+    return _gather_keep_local_grad(x, dim, group, size, rank)
+
+
+# The two keep-local-grad functions run eagerly under torch.compile: traced by Dynamo (torch 2.11), the loss's
+# all-reduce came out with no gradient path, every parameter's gradient zero under CP (tests/test_compile.py on 2.11;
+# 2.13 traces it right). Their hook (`shares_of`) and collective gain nothing from a graph.
+@torch.compiler.disable
+def _gather_keep_local_grad(x: torch.Tensor, dim: int, group, size: int, rank: int) -> torch.Tensor:
     return shares_of(_GatherKeepLocalGrad.apply(x, dim, group, size, rank))
 
 
@@ -119,6 +127,11 @@ class _SumKeepLocalGrad(torch.autograd.Function):
 def sum_keep_local_grad(x: torch.Tensor, group, size: int) -> torch.Tensor:
     if size == 1:
         return x
+    return _sum_keep_local_grad(x, group)
+
+
+@torch.compiler.disable  # eager under torch.compile (see `_gather_keep_local_grad`)
+def _sum_keep_local_grad(x: torch.Tensor, group) -> torch.Tensor:
     return shares_of(_SumKeepLocalGrad.apply(x, group))
 
 
