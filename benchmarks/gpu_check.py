@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import math
 import os
 import time
 import traceback
@@ -156,7 +157,7 @@ def planned_peak_gib(setup: Setup, model, tokens: int, samples: int, **training)
 
 
 def _against_plan(measured: float, planned: float) -> str:
-    return f"plan {planned:.3f} GiB" + (f" ({planned / measured - 1:+.1%})" if measured == measured else "")
+    return f"plan {planned:.3f} GiB" + ("" if math.isnan(measured) else f" ({planned / measured - 1:+.1%})")
 
 
 def workload(setup: Setup, budget_s: float) -> None:
@@ -169,9 +170,7 @@ def workload(setup: Setup, budget_s: float) -> None:
         half = n // 2
         row, _ = make_packed_batch([[S(text=half)], [S(text=n - half)]], seed=0)
         row = {k: v.to(setup.device) if torch.is_tensor(v) else v for k, v in row.items()}
-        if setup.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(setup.device)
-            torch.cuda.synchronize(setup.device)
+        _reset_peak(setup)
         t0 = time.perf_counter()
         try:
             model(**row).loss.backward()
@@ -181,7 +180,7 @@ def workload(setup: Setup, budget_s: float) -> None:
         if setup.device.type == "cuda":
             torch.cuda.synchronize(setup.device)
         seconds = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated(setup.device) / 2**30 if setup.device.type == "cuda" else float("nan")
+        peak = _step_peak_gib(setup)
         planned = planned_peak_gib(setup, model, n, 2, gradient_checkpointing=False)
         setup.say(f"  {n:>6d} tokens: peak {peak:6.2f} GiB ({_against_plan(peak, planned)}), "
                   f"{n / seconds:9.0f} tokens/s")
@@ -334,6 +333,15 @@ def _reset_peak(setup: Setup) -> None:
         torch.cuda.reset_peak_memory_stats(setup.device)
 
 
+def _timed_with_peak(setup: Setup, step) -> tuple[float, float]:
+    """One call of `step` first (first allocations, kernel selection, a host pool's buffers), then its seconds per
+    call (`_seconds`) and the device peak in GiB of the calls timed."""
+    step()
+    _reset_peak(setup)
+    seconds = _seconds(setup, step, 1 if setup.dry_run else 5)
+    return seconds, _step_peak_gib(setup)
+
+
 def checkpoint_offload(setup: Setup) -> None:
     """Section 8: one checkpointed step of a packed text row (two samples: the package's path and its chunked loss,
     so the head's logits do not set the peak), the package's checkpoint offload off, off again (the control: is the
@@ -357,12 +365,10 @@ def checkpoint_offload(setup: Setup) -> None:
             model.zero_grad(set_to_none=True)
             model(**row).loss.backward()
 
-        step()  # warm-up (and the host pool's first allocation)
-        _reset_peak(setup)
-        seconds = _seconds(setup, step, 1 if setup.dry_run else 5)
+        seconds, peak = _timed_with_peak(setup, step)
         # kept on the host: a copy on the device would count in the next run's peak
         grads = {n: p.grad.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.grad is not None}
-        results.append((seconds, _step_peak_gib(setup), grads))
+        results.append((seconds, peak, grads))
     planned = [planned_peak_gib(setup, model, tokens, 2, gradient_checkpointing=True, offload_checkpoints=offload)
                for offload in (False, True)]
     vlmcp_patch.enable(offload_checkpoints=False)
@@ -396,6 +402,7 @@ def tiled_mlp(setup: Setup) -> None:
     mlp = Qwen3VLTextMLP(config).to(setup.device, setup.dtype)
     x = torch.randn(tokens, hidden, device=setup.device, dtype=setup.dtype)
     grad_out = torch.randn_like(x)
+    TILES.drain()  # count this section's tiles only
     results = {}
     for tiled in (False, True):
         def step():
@@ -405,11 +412,7 @@ def tiled_mlp(setup: Setup) -> None:
             out.backward(grad_out)
             return xs.grad
 
-        step()
-        _reset_peak(setup)
-        TILES.drain()
-        seconds = _seconds(setup, step, 1 if setup.dry_run else 5)
-        peak = _step_peak_gib(setup)  # before the copies kept for the comparison, which go to the host
+        seconds, peak = _timed_with_peak(setup, step)  # before the copies kept for the comparison, on the host
         input_grad = step().cpu()
         weight_grads = {n: p.grad.to("cpu", copy=True) for n, p in mlp.named_parameters()}
         results[tiled] = (seconds, peak, input_grad, weight_grads)
@@ -493,10 +496,7 @@ def fused_head(setup: Setup) -> None:
             loss.backward()
             return hs.grad
 
-        step()
-        _reset_peak(setup)
-        seconds = _seconds(setup, step, 1 if setup.dry_run else 5)
-        peak = _step_peak_gib(setup)
+        seconds, peak = _timed_with_peak(setup, step)
         input_grad = step().cpu()
         results[fused] = (seconds, peak, input_grad, head.weight.grad.float().cpu())
     (t_stock, peak_stock, gx_stock, gw_stock), (t_ours, peak_ours, gx_ours, gw_ours) = results[False], results[True]
