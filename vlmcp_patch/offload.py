@@ -71,6 +71,21 @@ class HostPool:
         self.free.clear()
 
 
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pool_bytes_for(held_bytes: int, pinned: bool = True) -> int:
+    """The host bytes the pool really allocates to hold `held_bytes` of checkpoints at steady state: its own rounding
+    (whole MiB per buffer) and, when pinned, torch's caching host allocator's (every pinned block a power of two).
+    Buffers are sized per input, so the pinned cost depends on how `held_bytes` splits: this prices the worst split
+    (a buffer just over a power of two costs almost twice its size)."""
+    if held_bytes <= 0:
+        return 0
+    own = -(-held_bytes // ROUND) * ROUND
+    return 2 * own if pinned else own
+
+
 @dataclass
 class OffloadCounts:
     """What the hooks did since the last `drain` (telemetry for tests and benchmarks; no forward reads it)."""
