@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.harness import HANG_TIMEOUT, ROOT, _dump_stacks_then_kill, free_port
-from tests.helpers.launcher_envs import NODE_VARIABLES, environment
+from tests.helpers.launcher_envs import NESTED, NODE_VARIABLES, environment
 from tests.helpers.parity import TOL
 from vlmcp_patch.distributed import NodeAgreement, agree_on_node_size, agreed_node_size, launcher_node
 from vlmcp_patch.errors import UnsupportedSetupError
@@ -128,7 +128,7 @@ def test_each_launchers_variables_give_the_node_size_and_the_layout_torchruns_gi
     from vlmcp_patch.report import node_lines
 
     agreed = agree_on_node_size(_launch_views(monkeypatch, 8, 4, launcher, host=lambda r: f"host{r // 4}"))
-    variable = {"torchrun": "LOCAL_WORLD_SIZE", "deepspeed": "LOCAL_SIZE", "slurm": "SLURM_NTASKS_PER_NODE",
+    variable = {"torchrun": "LOCAL_WORLD_SIZE", "deepspeed": "LOCAL_SIZE", "slurm": "SLURM_TASKS_PER_NODE",
                 "srun": "SLURM_TASKS_PER_NODE", "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE", "mpich": "MPI_LOCALNRANKS"}[launcher]
     assert agreed.size == 4 and agreed.source.startswith(variable), agreed
     ulysses = ulysses_degree(8, [8], agreed.size)
@@ -139,18 +139,56 @@ def test_each_launchers_variables_give_the_node_size_and_the_layout_torchruns_gi
 
 
 def test_slurms_compressed_tasks_per_node_list_gives_each_nodes_count(monkeypatch):
-    """`SLURM_TASKS_PER_NODE` lists every node's tasks (`2(x3),1`): a node's count is at its `SLURM_NODEID`; nodes of
-    different sizes are refused like any unequal nodes; a malformed list says nothing."""
+    """`SLURM_TASKS_PER_NODE` lists every node's tasks (`2(x3),1`); a malformed list says nothing. Nodes of unequal
+    counts are laid out in blocks of the counts' greatest common divisor, each block inside one node."""
     from vlmcp_patch.launcher import _tasks_per_node
 
     assert _tasks_per_node("2(x3),1") == [2, 2, 2, 1] and _tasks_per_node("8") == [8]
     assert _tasks_per_node("2(x") is None and _tasks_per_node("") is None and _tasks_per_node("a,2") is None
-    uneven = lambda r: {"SLURM_TASKS_PER_NODE": "3,1", "SLURM_NODEID": str(r // 3),  # noqa: E731
-                        "SLURM_LOCALID": str(r % 3 if r < 3 else 0)}
-    views = _launch_views(monkeypatch, 4, 2, "srun", extra=uneven)
-    assert [{st.size for st in view["statements"]} for view in views] == [{3}, {3}, {3}, {1}]
-    with pytest.raises(UnsupportedSetupError, match=r"different SLURM_TASKS_PER_NODE \(SLURM\) values \[1, 3\]"):
-        agree_on_node_size(views)
+    assert _tasks_per_node("0,2") is None
+    views = _launch_views(monkeypatch, 12, 4, "srun", extra=lambda r: {
+        "SLURM_TASKS_PER_NODE": "8,4", "SLURM_NODEID": str(r // 8), "SLURM_LOCALID": str(r % 8)})
+    assert [{(st.size, st.first_of_node, st.node_count) for st in view["statements"]} for view in views] == (
+        [{(4, 0, 8)}] * 8 + [{(4, 8, 4)}] * 4)
+    assert [st.stated for st in views[0]["statements"]] == [
+        "SLURM_TASKS_PER_NODE=8,4 (SLURM: nodes of 8 and 4 ranks, laid out in blocks of 4)"]
+
+
+def _nested_views(monkeypatch, nested) -> list[dict]:
+    """Each rank's `launcher_node()` with exactly `nested`'s variables for that rank (RANK and WORLD_SIZE as the
+    script or the launcher sets them) and its machine's host name."""
+    return _launch_views(monkeypatch, nested.world, 1, "none", host=lambda r: f"node{nested.node_of(r)}",
+                         extra=nested.variables)
+
+
+@pytest.mark.parametrize("name", list(NESTED))
+def test_every_launch_as_it_really_runs_is_accepted_with_its_node_size_or_refused_naming_the_contradiction(
+        name, monkeypatch):
+    """Launchers inside launchers, with every variable each one leaves in a rank's environment
+    (`launcher_envs.NESTED`): the launcher that started the ranks gives the node size; a scheduler's variables count
+    only where they describe these very ranks on every rank (SLURM_PROCID = RANK and SLURM_NTASKS = WORLD_SIZE);
+    the launch is refused only where variables that describe the ranks contradict each other, naming both."""
+    nested = NESTED[name]
+    views = _nested_views(monkeypatch, nested)
+    if nested.refused:
+        with pytest.raises(UnsupportedSetupError, match=nested.refused):
+            agree_on_node_size(views)
+        return
+    assert agree_on_node_size(views) == NodeAgreement(size=nested.size, source=nested.source)
+    # the layout's nodes really lie inside the machines: every block of `size` consecutive ranks on one host
+    assert all(len({nested.node_of(r) for r in range(first, first + nested.size)}) == 1
+               for first in range(0, nested.world, nested.size))
+
+
+def test_the_report_names_why_an_outer_launchers_variables_are_left_out(monkeypatch):
+    """torchrun inside `sbatch --ntasks-per-node=8`, on rank 1: the script's SLURM variables are named, with why."""
+    from vlmcp_patch.report import node_lines
+
+    _nested_views(monkeypatch, NESTED["torchrun inside sbatch --ntasks-per-node=8"])  # leaves rank 7's environment
+    lines = node_lines(launch())
+    assert lines[0] == "  ranks per node: 8, from LOCAL_WORLD_SIZE (torchrun / Accelerate)", lines
+    assert ("  SLURM_TASKS_PER_NODE=8 (SLURM) left out: that launcher numbers this process SLURM_PROCID=0, not RANK=7 "
+            "(an outer launcher)") in lines, lines
 
 
 def test_without_launcher_variables_the_host_names_tell_the_nodes(monkeypatch):
@@ -188,7 +226,8 @@ def test_launchers_that_disagree_are_refused_naming_each_and_an_outer_launcher_i
         node_lines(launch()))
     # a local rank out of node order (SLURM_LOCALID) is refused too
     views = _launch_views(monkeypatch, 4, 2, "slurm", extra=lambda r: {"SLURM_LOCALID": str(1 - r % 2)})
-    with pytest.raises(UnsupportedSetupError, match="rank 0 has SLURM_LOCALID 1, not 0"):
+    with pytest.raises(UnsupportedSetupError, match="rank 0 has SLURM_NODEID 0 and SLURM_LOCALID 1, which numbering "
+                       "node by node gives rank 1"):
         agree_on_node_size(views)
 
 
@@ -257,7 +296,7 @@ def test_two_nodes_with_each_launchers_variables_lay_out_as_under_torchrun(launc
     control in `test_each_launchers_variables_give_the_node_size_and_the_layout_torchruns_give`)."""
     results = sorted(launch_two_nodes(tmp_path, env={"VLMCP_TEST_LAUNCHER": launcher}), key=lambda r: r["rank"])
     _assert_two_node_layout(results, None)
-    source = {"deepspeed": "LOCAL_SIZE (the deepspeed launcher)", "slurm": "SLURM_NTASKS_PER_NODE (SLURM)",
+    source = {"deepspeed": "LOCAL_SIZE (the deepspeed launcher)", "slurm": "SLURM_TASKS_PER_NODE (SLURM)",
               "srun": "SLURM_TASKS_PER_NODE (SLURM)", "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE (Open MPI)", "mpich": "MPI_LOCALNRANKS (MPICH)",
               "none": "the ranks' host names"}[launcher]
     assert {r["node_source"] for r in results} == {source}

@@ -145,7 +145,7 @@ def agree_on_node_size(nodes: list[dict]) -> NodeAgreement:
     if not stated:
         return _node_size_from_hosts([n["host"] for n in nodes])
     size, problem = _one_stated_size(stated, world)
-    problem = problem or _numbering_problem(nodes, size, world)
+    problem = problem or _numbering_problem(nodes, size, world, read=set(stated))
     if problem:
         raise UnsupportedSetupError(
             f"vlmcp-patch places the Ulysses subgroups inside nodes of the size the launcher states, but {problem}. "
@@ -170,16 +170,19 @@ def _check_ulysses_sizes_agree(nodes: list[dict]) -> None:
 
 
 def _stated_sizes(nodes: list[dict], world: int) -> dict[str, dict[int, int]]:
-    """Launcher variable -> {rank: the node size it states there}, for the launchers that started this world's
-    ranks (an outer launcher, srun starting one torchrun agent per node, describes its agents: left out)."""
+    """Launcher variable -> {rank: the node size it states there}, for the launchers that describe every rank
+    (`launcher.NodeStatement.left_out`). One that does not describe some rank is left out on every rank: an outer
+    launcher (srun starting one torchrun agent per node; an sbatch script's SLURM_PROCID=0, equal to RANK on
+    torchrun's rank 0 by chance), or a variable that contradicts itself (Accelerate's CPU default)."""
     stated: dict[str, dict[int, int]] = {}
+    left_out: set[str] = set()
     for rank, node in enumerate(nodes):
         for statement in node["statements"]:
-            if statement.describes(world):
+            if statement.left_out(world, rank) is None:
                 stated.setdefault(statement.source, {})[rank] = statement.size
-    # a variable that contradicts itself on any rank (`NodeStatement.contradicts_itself`) is left out on every rank
-    wrong = {s.source for node in nodes for s in node["statements"] if s.contradicts_itself}
-    return {source: by_rank for source, by_rank in stated.items() if source not in wrong}
+            else:
+                left_out.add(statement.source)
+    return {source: by_rank for source, by_rank in stated.items() if source not in left_out}
 
 
 def _one_stated_size(stated: dict[str, dict[int, int]], world: int) -> tuple[int, str | None]:
@@ -197,20 +200,16 @@ def _one_stated_size(stated: dict[str, dict[int, int]], world: int) -> tuple[int
     return next(iter(sizes.values())), None
 
 
-def _numbering_problem(nodes: list[dict], size: int, world: int) -> str | None:
-    """Whether the ranks are numbered node by node in nodes of `size` on one host each, as far as the launchers'
-    node and local indices and the host names show; None when they are."""
+def _numbering_problem(nodes: list[dict], size: int, world: int, read: set[str]) -> str | None:
+    """Whether the ranks are numbered node by node in nodes of `size` on one host each, as far as the node and local
+    indices of the launchers `read` (`_stated_sizes`) and the host names show; None when they are."""
     if size < 1 or world % size:
-        named = next(s.stated for s in nodes[0]["statements"] if s.describes(world))
+        named = next(s.stated for s in nodes[0]["statements"] if s.source in read)
         return f"{named} does not divide the world size {world}"
     for rank, node in enumerate(nodes):
-        for s in (s for s in node["statements"] if s.describes(world)):
-            if s.node is not None and s.node != rank // size:
-                return (f"rank {rank} has {s.variables.node} {s.node}, not {rank // size}: the ranks are not numbered "
-                        "node by node")
-            if s.local_rank is not None and s.local_rank != rank % size:
-                return (f"rank {rank} has {s.variables.local_rank} {s.local_rank}, not {rank % size}: the ranks are "
-                        "not numbered node by node")
+        for s in (s for s in node["statements"] if s.source in read):
+            if (problem := s.misplaced(rank)) is not None:
+                return problem
     for first in range(0, world, size):
         hosts = sorted({n["host"] for n in nodes[first:first + size]})
         if len(hosts) > 1:

@@ -116,10 +116,8 @@ def node_lines(here) -> list[str]:
         lines = [f"  ranks per node: the launchers disagree ({stated_each}): the first CP forward will raise"]
     else:
         lines = [f"  ranks per node: {sizes.pop()}, from {' and '.join(s.source for s in stated)}"]
-    lines += [f"  {s.stated} left out: " + (
-        f"this process's {s.variables.local_rank}={s.local_rank} is not below it" if s.contradicts_itself else
-        f"that launcher started {s.started} processes, not this world's {here.world_size} (an outer launcher)")
-        for s in here.statements if s not in stated]
+    lines += [f"  {s.stated} left out: {s.left_out(here.world_size, here.rank)}" for s in here.statements
+              if s not in stated]
     return lines
 
 
