@@ -1,85 +1,159 @@
-"""Every call of the package into torch.distributed that communicates goes through the error wrapper and the debug
-record (`collectives/communication.communicate`, or `raising` for the wait of a communication started there): read
-from the source, each such call must sit inside a function handed to one of them. A collective outside would hang
-silently on a failed peer, name no site, and be missing from the ranks' comparison."""
+"""Every call of the package into torch.distributed that communicates goes through its wrapper
+(`collectives/communication.communicate`, or `raising` for the wait of a communication started there). A collective
+outside would hang silently on a failed peer, name no site, and be missing from the ranks' debug comparison.
+
+Checked at run time, not read from the source: each rank of the suite's CP runs (`harness.run_distributed`, and every
+script launched through `run_script`) installs `tests/helpers/wrapped_check.py` first, so every CP test of the suite
+fails when the package calls torch.distributed around the wrapper, however the call is spelled. Here, the check
+itself: a module executed as the package's (`tests/helpers/bypass_spellings.py`) sums a tensor over a real gloo group
+of two ranks in eleven spellings that bypass the wrapper, each flagged naming the callable and the function, and in
+five that go through it, none flagged; all in one launch.
+"""
 
 from __future__ import annotations
 
-import ast
+import os
 
-from tests.helpers.harness import ROOT
+import pytest
+import torch
 
-PACKAGE = ROOT / "vlmcp_patch"
-COMMUNICATING = {
-    "all_reduce", "reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_gather_single",
-    "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier",
-    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "gather", "gather_object", "scatter",
-    "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv", "new_group", "new_subgroups",
-}
-WRAPPERS = {"communicate", "raising"}
-# Not the runtime: the demo (the main job) ends its run with a barrier as every example does.
-OUTSIDE_THE_RUNTIME = {("vlmcp_patch/demo.py", "barrier")}
+from tests.helpers.bypass_spellings import BYPASSES, WRAPPED
+from tests.helpers.harness import free_port, launch, run_distributed
+
+RANKS = 2
+EXPECTED_SUM = float(sum(range(1, RANKS + 1)))  # rank r contributes r + 1
 
 
-def _looked_up(tree) -> dict[str, str]:
-    """Local names bound to a collective looked up by name: `run = torch_collective("NAME", ...)` -> {run: NAME}."""
-    return {node.targets[0].id: ast.literal_eval(node.value.args[0]) for node in ast.walk(tree)
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-            and getattr(node.value.func, "id", None) == "torch_collective" and isinstance(node.targets[0], ast.Name)}
+def _summed(function, rank, group):
+    from tests.helpers import wrapped_check
+
+    total = float(function(torch.tensor([float(rank + 1)]), group))
+    flagged = wrapped_check.take_violations()
+    return {"sum": total, "flagged": sorted({spelled for spelled, *_ in flagged}),
+            "functions": sorted({function_name for _, file, _, function_name, _ in flagged}),
+            "files": sorted({os.path.basename(file) for _, file, *_ in flagged})}
 
 
-def _called_name(call: ast.Call, looked_up: dict[str, str]) -> str | None:
-    """The torch.distributed function a call runs: `dist.NAME(...)`, or one `torch_collective` looked up."""
-    func = call.func
-    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "dist":
-        return func.attr
-    if isinstance(func, ast.Name):
-        return looked_up.get(func.id)
-    return None
+def _every_spelling(rank, world_size):
+    """Each spelling run once on every rank of a gloo group: its sum and what the check flagged."""
+    import torch.distributed as dist
+
+    from tests.helpers import bypass_spellings, wrapped_check
+    from vlmcp_patch.fixtures.probes import CollectiveProbe
+
+    spellings = bypass_spellings.load_as_package_module()
+    group = dist.group.WORLD
+    seen = {"installed": wrapped_check.installed()}
+    for name in BYPASSES:
+        seen[name] = _summed(spellings.BYPASSES[name][0], rank, group)
+    for name in WRAPPED:
+        seen[name] = _summed(spellings.WRAPPED[name], rank, group)
+    # the tests' own probe wraps torch.distributed's functions too: the call through it is still the package's
+    with CollectiveProbe() as probe:
+        seen["probed bypass"] = _summed(spellings.full_path, rank, group)
+        seen["probed wrapped"] = _summed(spellings.communicated, rank, group)
+    seen["probed calls"] = probe.calls["all_reduce"]
+    # a package module that bound torch's function before the check was installed (the package is imported when a
+    # spawned rank unpickles its function): installing gives it the checker
+    spellings.all_reduce = wrapped_check.original(dist.all_reduce)
+    wrapped_check.install()
+    seen["bound before the check"] = _summed(spellings.from_import, rank, group)
+    seen["cp step"] = _cp_step(world_size)
+    return seen
 
 
-def _wrapped(node, parents: dict) -> bool:
-    """Whether `node` lies in a function (lambda) that is an argument of a call to one of the wrappers."""
-    while node in parents:
-        parent = parents[node]
-        if isinstance(node, ast.Lambda) and isinstance(parent, ast.Call) and node in parent.args and \
-                getattr(parent.func, "id", None) in WRAPPERS:
-            return True
-        node = parent
-    return False
+def _cp_step(cp_size: int) -> dict:
+    """A CP forward and backward of a tiny Qwen3-VL: the package's own calls, as the check saw them."""
+    import vlmcp_patch
+    from tests.helpers import wrapped_check
+    from vlmcp_patch.fixtures.data import Segment as S
+    from vlmcp_patch.fixtures.data import make_batch
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+
+    model = build_model(tiny_qwen3_vl_config())
+    batch = make_batch([[S(text=5), S(image=(16, 16)), S(text=6)]], seed=1)
+    before = wrapped_check.through_the_wrapper()
+    vlmcp_patch.enable(cp_size=cp_size)
+    try:
+        model(**batch).loss.backward()
+    finally:
+        vlmcp_patch.enable(cp_size=1)
+    after = wrapped_check.through_the_wrapper()
+    return {"through": {name: calls - before.get(name, 0) for name, calls in after.items()
+                        if calls > before.get(name, 0)},
+            "flagged": wrapped_check.take_violations()}
 
 
-def communicating_calls() -> list[tuple[str, int, str, bool]]:
-    """(file, line, torch.distributed function, wrapped) of every communicating call in the package."""
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-        looked_up = _looked_up(tree)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and (name := _called_name(node, looked_up)) in COMMUNICATING:
-                found.append((str(path.relative_to(ROOT)), node.lineno, name, _wrapped(node, parents)))
-    return found
+def every_spelling():
+    return run_distributed(_every_spelling, RANKS, timeout=120)
 
 
-def test_every_communication_goes_through_the_wrapper():
-    calls = communicating_calls()
-    bypassing = [c for c in calls if not c[3] and (c[0], c[2]) not in OUTSIDE_THE_RUNTIME]
-    assert not bypassing, f"torch.distributed called outside communicate / raising: {bypassing}"
-    # the reader sees them: the all-to-alls, the renamed gathers, the groups' creation and the vision agreement
-    names = {c[2] for c in calls}
-    assert {"all_to_all_single", "all_gather_single", "reduce_scatter_single", "new_group", "all_reduce",
-            "batch_isend_irecv", "all_gather_object", "broadcast_object_list"} <= names, names
+@pytest.fixture
+def spelled(once):
+    return once(every_spelling)
 
 
-def test_the_reader_finds_a_bypass():
-    """The control: a module calling a collective outside the wrapper is caught."""
-    source = "import torch.distributed as dist\ndef f(x, g):\n    dist.all_reduce(x, group=g)\n" \
-             "    communicate('ok', g, 1, lambda: dist.all_reduce(x, group=g))\n" \
-             "    run = torch_collective('reduce_scatter_single', 'reduce_scatter_tensor')\n    run(x, x, group=g)\n"
-    tree = ast.parse(source)
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    looked_up = _looked_up(tree)
-    seen = [(name, _wrapped(n, parents)) for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and (name := _called_name(n, looked_up)) in COMMUNICATING]
-    assert sorted(seen) == [("all_reduce", False), ("all_reduce", True), ("reduce_scatter_single", False)]
+@pytest.mark.parametrize("spelling", list(BYPASSES))
+def test_a_bypass_in_each_spelling_is_flagged(spelled, spelling):
+    function, names = BYPASSES[spelling]
+    for rank, seen in enumerate(spelled):
+        assert seen["installed"]
+        got = seen[spelling]
+        assert got["sum"] == EXPECTED_SUM, (rank, got)  # a real collective ran
+        assert got["flagged"] == sorted(names), (rank, got)
+        assert got["functions"] == [function.__name__] and got["files"] == ["bypass_spellings.py"], (rank, got)
+
+
+@pytest.mark.parametrize("spelling", list(WRAPPED))
+def test_a_call_through_the_wrapper_is_not_flagged(spelled, spelling):
+    for rank, seen in enumerate(spelled):
+        assert seen[spelling] == {"sum": EXPECTED_SUM, "flagged": [], "functions": [], "files": []}, rank
+
+
+def test_the_tests_probes_pass_the_check_on(spelled):
+    for seen in spelled:
+        assert seen["probed calls"] == 2  # both calls went through the probe
+        assert seen["probed bypass"]["flagged"] == ["torch.distributed.all_reduce"]
+        assert seen["probed bypass"]["functions"] == ["full_path"]
+        assert seen["probed wrapped"]["flagged"] == []
+
+
+def test_a_function_bound_before_the_check_is_checked(spelled):
+    for seen in spelled:
+        assert seen["bound before the check"]["flagged"] == ["torch.distributed.all_reduce"]
+        assert seen["bound before the check"]["functions"] == ["from_import"]
+
+
+def test_the_check_sees_the_packages_own_calls(spelled):
+    """Not vacuous: a CP step's exchanges, group creation and agreement reach the check, through the wrapper."""
+    for seen in spelled:
+        step = seen["cp step"]
+        assert step["flagged"] == []
+        assert step["through"].get("torch.distributed.all_to_all_single", 0) >= 4, step  # forward and backward
+        assert step["through"].get("torch.distributed.new_group", 0) >= 1, step
+
+
+def _bypass_left_unread(rank, world_size):
+    from tests.helpers import bypass_spellings
+
+    bypass_spellings.load_as_package_module().module_alias(torch.ones(1), None)
+
+
+def test_a_spawned_rank_that_bypassed_the_wrapper_fails():
+    with pytest.raises(RuntimeError, match=r"outside its wrapper.*torch\.distributed\.all_reduce at .*"
+                                           r"bypass_spellings\.py:\d+ in module_alias \(1 call\)"):
+        run_distributed(_bypass_left_unread, 1, timeout=120)
+
+
+@pytest.mark.integration  # one launched process: importing the package costs seconds (the spawned ranks preload it)
+def test_a_launched_script_that_bypassed_the_wrapper_fails():
+    """`run_script` (every launched run of the suite) ends a rank that bypassed with exit code 1, naming the site;
+    the same script's call through the wrapper is not named."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    out = launch("tests/helpers/bypass_spellings.py", procs=1, launcher="python", env=env, timeout=120)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "summed 1.0 and 1.0" in out.stdout, out.stdout  # the script ran both calls to the end
+    named = [line for line in out.stderr.splitlines() if "outside its wrapper" in line]
+    assert len(named) == 1 and "in full_path (1 call)" in named[0], out.stderr[-3000:]
+    assert "communicated" not in named[0]

@@ -115,13 +115,19 @@ def _entry(fn, rank, world_size, port, results, args, env, timeout):
     import torch
     import torch.distributed as dist
 
+    from tests.helpers import wrapped_check
+
+    wrapped_check.install()  # every torch.distributed call of the package goes through its wrapper
     torch.set_num_threads(1)
     dump_stacks_on_signal()
     ok = False
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=min(timeout, HANG_TIMEOUT)))
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        result = fn(rank, world_size, *args)
+        if (bypassed := wrapped_check.failure()) is not None:
+            raise AssertionError(bypassed)
+        results.put((rank, "ok", result))
         ok = True
     except BaseException:  # noqa: BLE001 - report anything to the parent
         results.put((rank, "error", traceback.format_exc()))
