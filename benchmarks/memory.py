@@ -165,10 +165,14 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, s
     batch = _in_dtype(row_of(args.sample, tokens, model.config.vision_config.patch_size, args.dry_run), args)
     if stock:
         vlmcp_patch.revert()
-    vlmcp_patch.enable(cp_size=world_size, mlp_tile_tokens=args.mlp_tile_tokens,
-                       vision_tile_patches=args.vision_tile_patches, offload_checkpoints=args.offload_checkpoints,
+    # the switches as asked under CP, whatever the row needs; P=1 is the untiled baseline (explicit switches would act
+    # there too: `vlmcp_patch/by_need.py`)
+    cp = world_size > 1
+    vlmcp_patch.enable(cp_size=world_size, mlp_tile_tokens=args.mlp_tile_tokens if cp else "auto",
+                       vision_tile_patches=args.vision_tile_patches if cp else "auto",
+                       offload_checkpoints=args.offload_checkpoints,
                        loss_chunk_tokens=getattr(args, "loss_chunk_tokens", None),
-                       recompute_norms=False if getattr(args, "no_recompute_norms", False) else None)
+                       recompute_norms=not getattr(args, "no_recompute_norms", False) if cp else "auto")
     results = {}
     for loop in args.loops:
         model.zero_grad(set_to_none=True)  # each loop's step allocates its gradients anew
@@ -201,7 +205,7 @@ def _one_step(model, reference, batch: dict, args, loop: str, world_size: int, s
     tiles = VISION_TILES.drain()
     facts = STATS.drain()  # per vision pass (a GRPO step encodes the pictures twice: reference and policy)
     grads = live.ids_of(p.grad for p in model.parameters())
-    host_pool = live.ids_of(HOST_CHECKPOINTS.pool.free)  # on the host, not the device (all free again after backward)
+    host_pool = live.ids_of(HOST_CHECKPOINTS.pool.slabs.values())  # on the host, not the device (all free again after backward)
     patches = sum(int(batch[k].prod(-1).sum()) for k in ("image_grid_thw", "video_grid_thw") if k in batch)
     return {
         "saved": saved.total,
@@ -404,11 +408,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS,
                         help="host: the integrations' loop, pixel values on the host under CP; device: the whole "
                         "batch moved to the device by the caller (module docstring)")
-    parser.add_argument("--mlp-tile-tokens", default="auto", type=lambda v: v if v == "auto" else int(v),
-                        help="tokens per tile of the MLPs under CP (auto, or 0: untiled; VLMCP_MLP_TILE_TOKENS)")
-    parser.add_argument("--vision-tile-patches", default="auto", type=lambda v: v if v == "auto" else int(v),
-                        help="patches per tile of the vision tower under CP (auto, or 0: untiled; "
-                        "VLMCP_VISION_TILE_PATCHES)")
+    parser.add_argument("--mlp-tile-tokens", default="on", type=lambda v: v if v in ("auto", "on") else int(v),
+                        help="tokens per tile of the MLPs under CP (on: sized automatically, auto: by need, or 0: "
+                        "untiled; VLMCP_MLP_TILE_TOKENS)")
+    parser.add_argument("--vision-tile-patches", default="on", type=lambda v: v if v in ("auto", "on") else int(v),
+                        help="patches per tile of the vision tower under CP (on: sized automatically, auto: by "
+                        "need, or 0: untiled; VLMCP_VISION_TILE_PATCHES)")
     parser.add_argument("--vision-tiles-compare", action="store_true",
                         help="each P with the vision tower untiled and in tiles: peaks and their ratio")
     parser.add_argument("--offload-checkpoints", action="store_true",

@@ -28,7 +28,9 @@ compute (`foreign_offload_problem`), naming this switch.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -38,52 +40,190 @@ from .patching import cp_size
 from .settings import SETTINGS
 
 MIN_BYTES = 1024  # a smaller input stays: its copy costs more than it frees
-ROUND = 1 << 20  # host buffers are allocated in whole MiB, so rows of nearby lengths reuse them
+
+# The pool's allocation rule (`HostPool`). Every slab is a power of two, so torch's caching host allocator, which rounds
+# each pinned block up to one, allocates exactly the slab; a checkpoint lives in extents carved out of the slabs.
+ALIGN = 512  # an extent's start and length (DMA-friendly, and any dtype's alignment)
+MIN_SLAB = 2 << 20
+MAX_SLAB = 1 << 30
+GROWTH_SHARE = 32  # the pool grows in granules of at most 1/32 of what it already holds (or MIN_SLAB)
 
 
-class HostPool:
-    """Host buffers (uint8), allocated on first need and reused: `take` gives the smallest free one that fits."""
-
-    def __init__(self):
-        self.free: list[torch.Tensor] = []
-        self.reserved = 0  # bytes allocated, free or in use
-        self.in_use = 0
-
-    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        fitting = [b for b in self.free if b.numel() >= nbytes and b.is_pinned() == pinned]
-        if fitting:
-            buffer = min(fitting, key=torch.Tensor.numel)
-            self.free.remove(buffer)
-        else:
-            size = -(-nbytes // ROUND) * ROUND
-            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-            self.reserved += size
-        self.in_use += buffer.numel()
-        return buffer
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        self.in_use -= buffer.numel()
-        self.free.append(buffer)
-
-    def release(self) -> None:
-        """Free the buffers not in use (the pool is allocated again on the next need)."""
-        self.reserved -= sum(b.numel() for b in self.free)
-        self.free.clear()
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1) if n > 0 else 0
 
 
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _granule(reserved: int) -> int:
+    """The unit the pool grows by when it already has `reserved` bytes: a power of two, MIN_SLAB..MAX_SLAB."""
+    return min(MAX_SLAB, max(MIN_SLAB, _pow2_floor(reserved // GROWTH_SHARE)))
 
 
 def pool_bytes_for(held_bytes: int, pinned: bool = True) -> int:
-    """The host bytes the pool really allocates to hold `held_bytes` of checkpoints at steady state: its own rounding
-    (whole MiB per buffer) and, when pinned, torch's caching host allocator's (every pinned block a power of two).
-    Buffers are sized per input, so the pinned cost depends on how `held_bytes` splits: this prices the worst split
-    (a buffer just over a power of two costs almost twice its size)."""
+    """The host bytes the pool really allocates to hold `held_bytes` of checkpoints at steady state (the peak bytes
+    held at once), pinned or not: an upper bound over every order of takes and releases.
+
+    The pool grows only by what it lacks, rounded up to one granule (`_granule`: at most 1/32 of what it holds, or
+    2 MiB), in power-of-two slabs that torch's pinned allocator takes as they are; a checkpoint may span extents of
+    several slabs, so no free byte is out of reach. Hence allocated < held + granule: at most 1.032 x held above
+    64 MiB. (Each checkpoint's extents are rounded to 512 bytes, not counted here: under 1e-6 of a checkpoint worth
+    moving at the sizes this prices.) `pinned` does not change the rule: the slabs need no rounding either way."""
     if held_bytes <= 0:
         return 0
-    own = -(-held_bytes // ROUND) * ROUND
-    return 2 * own if pinned else own
+    return _round_up(held_bytes + _granule(held_bytes), MIN_SLAB)
+
+
+class Lease:
+    """The extents of the pool that hold one checkpoint: `pieces`, uint8 views of the slabs in order, whose first
+    `nbytes` bytes are the checkpoint's; `wait` the events after which they may be written (their previous use by
+    another stream)."""
+
+    def __init__(self, extents: list[tuple[int, int, int]], pieces: list[torch.Tensor], nbytes: int, wait: list):
+        self.extents, self.pieces, self.nbytes, self.wait = extents, pieces, nbytes, wait
+
+    def spans(self):
+        """(piece, offset in the checkpoint's bytes, bytes) for each piece the checkpoint's bytes occupy."""
+        offset = 0
+        for piece in self.pieces:
+            n = min(piece.numel(), self.nbytes - offset)
+            if n <= 0:
+                return
+            yield piece, offset, n
+            offset += n
+
+
+class HostPool:
+    """Host memory for checkpoints, allocated on first need and reused across steps, pinned or not (two arenas).
+
+    - **Slabs** of a power-of-two size (MIN_SLAB..MAX_SLAB) are the only allocations: torch's caching host allocator
+      rounds a pinned block up to a power of two, so a slab costs exactly its size.
+    - **Extents** (slab, start, stop), multiples of ALIGN, are what a checkpoint holds: `take` gives the smallest free
+      extent that holds it whole, or else the largest free extents until they do (a checkpoint may span slabs), and
+      grows the arena only by what it lacks (`pool_bytes_for`). `give_back` returns them, merged with their free
+      neighbours, with the event after which they may be written again (their last copy on a side stream).
+    - `reserved`: the slabs' bytes; `in_use`: the extents' bytes given out; `held`: the bytes asked for by those
+      still given out, `peak_held` its peak. `check()` states the invariants the tests hold it to.
+
+    Thread-safe: a checkpoint is given back when autograd frees it, on whichever thread runs the backward."""
+
+    def __init__(self):
+        self.slabs: dict[int, torch.Tensor] = {}
+        self._pinned: dict[int, bool] = {}
+        self._free: dict[bool, list[list]] = {False: [], True: []}  # [slab, start, stop, events], sorted
+        self._given: dict[tuple[int, int, int], list] = {}  # each extent given out -> its lease's extents
+        self._next_slab = 0
+        self.reserved = self.in_use = self.held = self.peak_held = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, pinned: bool) -> Lease:
+        need = _round_up(max(nbytes, 1), ALIGN)
+        with self._lock:
+            free = self._free[pinned]
+            lacking = need - sum(stop - start for _, start, stop, _ in free)
+            if lacking > 0:
+                self._grow(lacking, pinned)
+            chosen = self._carve(free, need)
+            extents = [(slab, start, stop) for slab, start, stop, _ in chosen]
+            wait = [event for *_, events in chosen for event in events]
+            self.in_use += need
+            self.held += nbytes
+            self.peak_held = max(self.peak_held, self.held)
+            lease = Lease(extents, [self.slabs[slab][start:stop] for slab, start, stop in extents], nbytes, wait)
+            for extent in extents:
+                self._given[extent] = lease.extents
+            return lease
+
+    def give_back(self, lease: Lease, ready=None) -> None:
+        """Return `lease`'s extents; `ready`: an event after which they may be written again (None: now)."""
+        with self._lock:
+            for extent in lease.extents:
+                del self._given[extent]
+                slab, start, stop = extent
+                self._insert_free(self._free[self._pinned[slab]], [slab, start, stop, [] if ready is None else [ready]])
+                self.in_use -= stop - start
+            self.held -= lease.nbytes
+
+    def release(self) -> None:
+        """Free the slabs nothing holds a byte of (the pool is allocated again on the next need)."""
+        with self._lock:
+            for pinned, free in self._free.items():
+                whole = [e for e in free if e[1] == 0 and e[2] == self.slabs[e[0]].numel()]
+                for slab, *_ in whole:
+                    self.reserved -= self.slabs.pop(slab).numel()
+                    del self._pinned[slab]
+                self._free[pinned] = [e for e in free if e not in whole]
+
+    def check(self) -> None:
+        """The pool's invariants: the free extents and those given out tile every slab exactly once (nothing lost,
+        nothing given twice), free neighbours are merged, and the counters agree."""
+        with self._lock:
+            covered = sorted([tuple(e[:3]) for free in self._free.values() for e in free] + list(self._given))
+            by_slab: dict[int, int] = {}
+            for slab, start, stop in covered:
+                assert start == by_slab.get(slab, 0) and stop > start and start % ALIGN == 0, (slab, start, stop)
+                by_slab[slab] = stop
+            assert by_slab == {slab: t.numel() for slab, t in self.slabs.items()}, "extents do not tile the slabs"
+            for free in self._free.values():
+                for a, b in zip(free, free[1:]):
+                    assert not (a[0] == b[0] and a[2] == b[1]), "free neighbours not merged"
+            assert self.reserved == sum(t.numel() for t in self.slabs.values())
+            assert self.in_use == sum(stop - start for slab, start, stop in self._given)
+
+    # -- inside the lock --------------------------------------------------------------------------------------------
+
+    def _grow(self, lacking: int, pinned: bool) -> None:
+        """New slabs of at least `lacking` bytes: one granule's multiple, in powers of two."""
+        arena = sum(t.numel() for s, t in self.slabs.items() if self._pinned[s] == pinned)
+        remaining = _round_up(lacking, _granule(arena))
+        while remaining:
+            size = min(MAX_SLAB, _pow2_floor(remaining))
+            slab, self._next_slab = self._next_slab, self._next_slab + 1
+            self.slabs[slab] = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            self._pinned[slab] = pinned
+            self._insert_free(self._free[pinned], [slab, 0, size, []])
+            self.reserved += size
+            remaining -= size
+
+    @staticmethod
+    def _carve(free: list[list], need: int) -> list[list]:
+        """Remove `need` bytes from `free` (which has them): the smallest extent that holds them whole, or else the
+        largest extents, the last one split."""
+        whole = [e for e in free if e[2] - e[1] >= need]
+        order = [min(whole, key=lambda e: e[2] - e[1])] if whole else sorted(free, key=lambda e: e[1] - e[2])
+        chosen = []
+        for extent in order:
+            slab, start, stop, events = extent
+            free.remove(extent)
+            if stop - start > need:  # the rest stays free (its events still guard it)
+                HostPool._insert_free(free, [slab, start + need, stop, list(events)])
+                stop = start + need
+            chosen.append([slab, start, stop, events])
+            need -= stop - start
+            if need == 0:
+                return sorted(chosen)  # in slab order: a checkpoint's bytes in a stable order
+        raise AssertionError("the pool carved more than it had")
+
+    @staticmethod
+    def _insert_free(free: list[list], extent: list) -> None:
+        """Insert a free extent in (slab, start) order, merged with free neighbours; completed events dropped."""
+        index = bisect.bisect_left(free, extent[:3], key=lambda e: e[:3])
+        before = free[index - 1] if index and free[index - 1][0] == extent[0] and free[index - 1][2] == extent[1] \
+            else None
+        after = free[index] if index < len(free) and free[index][0] == extent[0] and free[index][1] == extent[2] \
+            else None
+        events = extent[3] + (before[3] if before else []) + (after[3] if after else [])
+        events = [e for e in events if not e.query()]
+        start = before[1] if before else extent[1]
+        stop = after[2] if after else extent[2]
+        if after:
+            free.pop(index)
+        if before:
+            free[index - 1] = [extent[0], start, stop, events]
+        else:
+            free.insert(index, [extent[0], start, stop, events])
 
 
 @dataclass
@@ -115,26 +255,30 @@ class _Streams:
 
 class SavedInput:
     """One checkpointed layer's input, as autograd holds it between forward and backward: on the device (the newest
-    one, or while its copy to the host runs), in a host buffer, and on its way back (prefetched)."""
+    one, or while its copy to the host runs), in host extents of the pool, and on its way back (prefetched)."""
 
     def __init__(self, tensor: torch.Tensor, previous: SavedInput | None):
         self.on_device: torch.Tensor | None = tensor
-        self.host: torch.Tensor | None = None  # a view of a pool buffer, the tensor's bytes
-        self.buffer: torch.Tensor | None = None
+        self.lease: Lease | None = None  # the pool's extents holding the tensor's bytes
         self.back: torch.Tensor | None = None  # the prefetched device copy
         self.back_ready = None  # its event on the side stream
         self.shape, self.stride, self.dtype, self.device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
         self.previous = None if previous is None else weakref.ref(previous)  # the layer before: prefetched next
 
 
-def _host_view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`buffer`'s first bytes as a contiguous tensor of `like`'s shape and dtype."""
-    nbytes = like.numel() * like.element_size()
-    return buffer[:nbytes].view(like.dtype).view(like.shape)
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's bytes as a flat uint8 view (the same memory)."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 class HostCheckpoints:
-    """The saved-tensor hooks that keep checkpointed layers' inputs in the host pool (module docstring)."""
+    """The saved-tensor hooks that keep checkpointed layers' inputs in the host pool (module docstring).
+
+    Stream safety: everything the side stream touches is either recorded on it or given back after an event on it.
+    A device tensor read by a copy to the host, and a prefetch buffer written by a copy back, are `record_stream`ed
+    on the side stream, so the caching allocator reuses neither before the copy ran, whatever frees them (a partial
+    backward, an exception, a graph never backwarded); host extents return to the pool with the side stream's event,
+    and whoever takes them next waits for it before writing."""
 
     def __init__(self):
         self.pool = HostPool()
@@ -166,27 +310,34 @@ class HostCheckpoints:
             return tensor
         newest = None if self._newest is None else self._newest()
         saved = SavedInput(tensor.detach(), newest)
-        if newest is not None and newest.on_device is not None and newest.host is None:
+        if newest is not None and newest.on_device is not None and newest.lease is None:
             self._to_host(newest)  # the newest input so far is no longer the last layer's
         self._newest = weakref.ref(saved)
         return saved
 
     def _to_host(self, saved: SavedInput) -> None:
         tensor = saved.on_device
-        pinned = tensor.device.type != "cpu"
-        saved.buffer = self.pool.take(tensor.numel() * tensor.element_size(), pinned)
-        weakref.finalize(saved, self.pool.give_back, saved.buffer)
-        saved.host = _host_view(saved.buffer, tensor)
         streams = self._streams_of(tensor.device)
+        saved.lease = lease = self.pool.take(tensor.numel() * tensor.element_size(), pinned=streams is not None)
+        weakref.finalize(saved, self._give_back, lease, streams)
+        source = _bytes_of(tensor)
         if streams is None:
-            saved.host.copy_(tensor)
+            for piece, offset, n in lease.spans():
+                piece[:n].copy_(source[offset:offset + n])
         else:
             streams.side.wait_stream(streams.current())  # after the compute that made it
             with streams.module.stream(streams.side):
-                saved.host.copy_(tensor, non_blocking=True)
+                for event in lease.wait:  # the extents' last copies, if another stream made them
+                    streams.side.wait_event(event)
+                for piece, offset, n in lease.spans():
+                    piece[:n].copy_(source[offset:offset + n], non_blocking=True)
             tensor.record_stream(streams.side)  # its memory is reused only once the copy has run
         saved.on_device = None
         self.counts.offloaded += 1
+
+    def _give_back(self, lease: Lease, streams: _Streams | None) -> None:
+        """A freed checkpoint's extents back to the pool: writable again once the side stream's copies have run."""
+        self.pool.give_back(lease, None if streams is None else streams.side.record_event())
 
     # -- backward -------------------------------------------------------------------------------------------------
 
@@ -199,7 +350,7 @@ class HostCheckpoints:
         else:
             tensor = self._back_on_device(saved)
         previous = None if saved.previous is None else saved.previous()
-        if previous is not None and previous.host is not None and previous.back is None:
+        if previous is not None and previous.lease is not None and previous.back is None:
             self._to_device(previous)  # the layer backward reaches next, copied while this one recomputes
         return tensor
 
@@ -215,20 +366,24 @@ class HostCheckpoints:
         streams = self._streams_of(tensor.device)
         if streams is not None:
             streams.current().wait_event(ready)
-            tensor.record_stream(streams.current())
+            tensor.record_stream(streams.current())  # (a no-op unless backward runs on another stream than forward)
         self.counts.restored += 1
         return tensor
 
     def _to_device(self, saved: SavedInput) -> None:
         back = torch.empty_strided(saved.shape, saved.stride, dtype=saved.dtype, device=saved.device)
+        target = _bytes_of(back)
         streams = self._streams_of(saved.device)
         if streams is None:
-            back.copy_(saved.host)
+            for piece, offset, n in saved.lease.spans():
+                target[offset:offset + n].copy_(piece[:n])
         else:
             streams.side.wait_stream(streams.current())  # the memory's previous users are done
             with streams.module.stream(streams.side):
-                back.copy_(saved.host, non_blocking=True)
+                for piece, offset, n in saved.lease.spans():
+                    target[offset:offset + n].copy_(piece[:n], non_blocking=True)
                 saved.back_ready = streams.side.record_event()
+            back.record_stream(streams.side)  # freed unused (an exception, a partial backward): reused after the copy
         saved.back = back
 
     def _streams_of(self, device: torch.device) -> _Streams | None:

@@ -131,3 +131,66 @@ def run_offload_cases(rank: int, world_size: int) -> dict:
     finally:
         vlmcp_patch.enable(cp_size=1)
     return results
+
+
+# -- the pool's own accounting: sequences of takes and releases as training makes them ---------------------------------
+
+MiB = 2**20
+
+
+def layer_sizes(tokens: int, hidden: int, layers: int) -> list[int]:
+    """One step's checkpoints of a decoder: `layers` inputs of `tokens x hidden` bf16."""
+    return [tokens * hidden * 2] * layers
+
+
+def training_steps(seed: int = 0) -> list[list[int]]:
+    """Steps of a Qwen3-VL-like run at toy scale: rows of nearby lengths (±15 %) across steps, each step the vision
+    tower's 24 blocks (patches x 1,152, bf16: another size) then 36 decoder layers (tokens x 4,096), all but the last
+    input offloaded."""
+    g = torch.Generator().manual_seed(seed)
+    steps = []
+    for _ in range(8):
+        tokens = int(5_000 * (0.85 + 0.3 * torch.rand((), generator=g).item()))
+        patches = int(tokens * (0.55 + 0.2 * torch.rand((), generator=g).item()))
+        steps.append(layer_sizes(patches, 1_152, 24) + layer_sizes(tokens, 4_096, 36)[:-1])
+    return steps
+
+
+def play(pool, steps: list[list[int]]) -> dict:
+    """Each step's checkpoints taken in forward order and given back in backward's (reverse) order; the pool's
+    invariants checked after every step. Returns the peak bytes held and the pool's size."""
+    for sizes in steps:
+        leases = [pool.take(n, pinned=False) for n in sizes]
+        pool.check()
+        for lease in reversed(leases):
+            pool.give_back(lease)
+        pool.check()
+        assert pool.in_use == pool.held == 0
+    return {"peak_held": pool.peak_held, "reserved": pool.reserved, "slabs": [t.numel() for t in pool.slabs.values()]}
+
+
+def random_leases(pool, seed: int, rounds: int = 150) -> None:
+    """Takes and give-backs in random order, each lease's bytes written with its own pattern and read back after every
+    round: nothing given out is handed to another holder while held (the data would change)."""
+    g = torch.Generator().manual_seed(seed)
+    held: list[tuple] = []
+    for i in range(rounds):
+        if held and torch.rand((), generator=g).item() < 0.45:
+            lease, _ = held.pop(int(torch.randint(len(held), (), generator=g)))
+            pool.give_back(lease)
+        else:
+            nbytes = int(torch.randint(1, MiB // 2, (), generator=g))
+            lease = pool.take(nbytes, pinned=False)
+            pattern = i % 251
+            for piece, _, n in lease.spans():
+                piece[:n].fill_(pattern)
+            held.append((lease, pattern))
+        pool.check()  # extents disjoint (cheap: every round); the bytes themselves every 10th round
+        if i % 10 == 9:
+            for lease, pattern in held:
+                assert all(bool((piece[:n] == pattern).all()) for piece, _, n in lease.spans()), "a held extent reused"
+        assert sum(sum(n for *_, n in lease.spans()) for lease, _ in held) == pool.held
+    pool.check()
+    for lease, _ in held:
+        pool.give_back(lease)
+    pool.check()
