@@ -5,13 +5,16 @@ package's own rules it prices — `layout.ulysses_choices` and `ulysses_degree`,
 
     python -m vlmcp_patch plan --model qwen3-vl-8b --video-tokens 1048576 --gpus-per-node 8 --gpu h100
     vlmcp_patch.plan(model="qwen3.5-27b", row=Row.video(524288), gpu="h100")   # -> list[PlanRow]
+    planning.price("qwen3-vl-8b", Row.video(2**21), 8, training=Training(offload_checkpoints=True))  # one PlanRow:
+    # its device peak and budget, its host per node and budget, which binds
 
 Units: bytes, seconds, FLOP/s; link bandwidths in GB/s (1e9 bytes/s) per GPU and direction, as NCCL's "bus
 bandwidth" reports it; attained rates in TFLOP/s (1e12 FLOP/s). How each number is made and how it was checked
 against measurements: docs/plan.md.
 
 The package, by concern: `dims` (model dimensions), `rows` (the row), `hardware` (GPUs and their links),
-`training` (the step's setup and the fitted constants), `layouts` (the package's U x R rules), `memory`, `timing`,
+`training` (the step's setup and the fitted constants), `layouts` (the package's U x R rules), `memory`, `host` (the
+node's host memory: pools, offloaded optimizer, batches, the allowance), `timing`,
 `table` (the plan's rows and their marks), `longest` (the longest row on one node), `printing` (the table and docs/plan.md's sizing table), `command`.
 """
 
@@ -19,9 +22,19 @@ from __future__ import annotations
 
 from .command import main
 from .dims import MODELS, ModelDims, dims_from_config, model_dims
-from .hardware import GIB, GPUS, Hardware, hardware
+from .hardware import DEVICE_MARGIN, DGX_HOST_GIB, GIB, GPUS, Hardware, hardware
+from .host import (
+    HOST_GIB_PER_RANK,
+    HOST_NODE_SHARE,
+    HostOptimizer,
+    allowance_bytes,
+    batch_host_bytes,
+    checkpoint_pool_bytes,
+    offloaded_optimizer_host,
+    pinned_block_bytes,
+)
 from .layouts import candidate_sizes, layouts, package_ulysses, replicated
-from .longest import Longest, longest_lines, longest_row
+from .longest import ALST_LONGEST, Longest, longest_lines, longest_row
 from .memory import (
     Memory,
     activation_memory,
@@ -29,12 +42,15 @@ from .memory import (
     deltanet_elements,
     deltanet_rule_elements,
     exchange_elements,
+    flash_backward_scratch_bytes,
+    norm_tile_scratch_bytes,
+    rotary_bytes,
     static_memory,
     vision_elements,
 )
 from .printing import SIZING_MODELS, SIZING_TOKENS, assumptions, format_table, longest_table, sizing_table
 from .rows import Row
-from .table import PlanRow, mark, plan
+from .table import PlanRow, mark, plan, price
 from .timing import (
     TILE_PASSES_BACKWARD,
     TILE_PASSES_FORWARD,
@@ -48,6 +64,9 @@ from .timing import (
 from .training import CALIBRATED, Constants, Training
 
 __all__ = [
+    "ALST_LONGEST", "DEVICE_MARGIN", "DGX_HOST_GIB", "HOST_GIB_PER_RANK", "HOST_NODE_SHARE", "HostOptimizer",
+    "allowance_bytes", "batch_host_bytes", "checkpoint_pool_bytes", "flash_backward_scratch_bytes",
+    "norm_tile_scratch_bytes", "offloaded_optimizer_host", "pinned_block_bytes", "price", "rotary_bytes",
     "CALIBRATED", "GIB", "GPUS", "MODELS", "SIZING_MODELS", "SIZING_TOKENS", "TILE_PASSES_BACKWARD",
     "TILE_PASSES_FORWARD", "Constants", "Hardware", "Memory", "ModelDims", "PlanRow", "Row", "Time", "Training",
     "activation_memory", "all_to_all_seconds", "assumptions", "attention_elements", "candidate_sizes",

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import replace
 
 from .dims import MODELS, model_dims
-from .hardware import GPUS, hardware
+from .hardware import DEVICE_MARGIN, DGX_HOST_GIB, GPUS, hardware
 from .longest import longest_lines
 from .printing import format_table, longest_table, sizing_table
 from .rows import Row
@@ -22,6 +22,13 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: a tile holds at least 1 (--no-mlp-tiles / --no-vision-tiles price "
                                          "tiling off)")
+    return value
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: a share of the usable memory, 0 <= margin < 1 (0.05 is 5 %)")
     return value
 
 
@@ -48,6 +55,10 @@ def main(argv=None) -> int:
     hw.add_argument("--gpu", default="h100", choices=list(GPUS))
     hw.add_argument("--gpus-per-node", type=int, default=8)
     hw.add_argument("--memory-gib", type=float, help="GPU memory (default: the GPU's)")
+    hw.add_argument("--host-memory-gib", type=float,
+                    help=f"the node's host memory, GiB (default {DGX_HOST_GIB:,.0f}: a DGX H100 / H200's 2 TB)")
+    hw.add_argument("--margin", type=_share,
+                    help=f"share of the usable GPU memory the row leaves free (default {DEVICE_MARGIN:g})")
     hw.add_argument("--max-gpus", type=int, default=128)
     hw.add_argument("--sizes", type=int, nargs="+", help="CP sizes to price (default: 1, 2, 4, then whole nodes)")
     for name in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs", "ib_gbs"):
@@ -86,7 +97,8 @@ def main(argv=None) -> int:
     tr.add_argument("--chosen-only", action="store_true", help="only the package's layout at each P")
     tr.add_argument("--longest", action="store_true",
                     help="print only the longest row (video for a model with vision, else text) on one node of "
-                    "--gpus-per-node H100 and H200")
+                    "--gpus-per-node H100 and H200 that fits both the GPUs (with --margin) and the host "
+                    "(--host-memory-gib), and which of the two binds")
     tr.add_argument("--sizing-table", action="store_true", help="print docs/plan.md's two tables and stop")
     a = p.parse_args(argv)
     if a.sizing_table:
@@ -104,6 +116,7 @@ def main(argv=None) -> int:
                                          "ib_gbs", "ring_hidden")}
     rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None
     rates["host_gbs"] = a.host_link_gbs
+    rates["host_memory_gib"], rates["margin"] = a.host_memory_gib, a.margin
     kind = "video" if dims.vision_depth else "text"
     if a.longest:
         print("\n".join(longest_lines(dims, kind, training, a.gpus_per_node, **rates)))

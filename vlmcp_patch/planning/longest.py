@@ -16,10 +16,12 @@ STEP = 1024  # the answer's resolution, tokens
 
 @dataclass(frozen=True)
 class Longest:
-    """The longest row of a kind that fits one node, and its plan row (None: not even STEP tokens fit)."""
+    """The longest row of a kind that fits one node, and its plan row (None: not even STEP tokens fit); `binds`:
+    what a row STEP tokens longer overflows ("device", "host" or both)."""
 
     tokens: int
     row: PlanRow | None
+    binds: str = ""
 
 
 def row_of(kind: str, tokens: int, dims) -> Row:
@@ -34,8 +36,9 @@ def row_of(kind: str, tokens: int, dims) -> Row:
 def longest_row(model, kind: str = "video", gpu: str | Hardware = "h100", gpus_per_node: int = 8,
                 training: Training | None = None, memory_gib: float | None = None, constants=None,
                 **rates) -> Longest:
-    """The longest `kind` row (a multiple of STEP tokens) whose predicted peak fits every GPU of one node of
-    `gpus_per_node` at P = gpus_per_node in the package's layout."""
+    """The longest `kind` row (a multiple of STEP tokens) that fits one node of `gpus_per_node` at P = gpus_per_node
+    in the package's layout: its predicted peak within every GPU's usable memory less the margin, and the node's host
+    memory holding what its ranks keep there (`rates`: `margin=`, `host_memory_gib=` and the rates of `plan`)."""
     dims = model_dims(model)
     hw = hardware(gpu, memory_gib, **rates)
 
@@ -43,30 +46,38 @@ def longest_row(model, kind: str = "video", gpu: str | Hardware = "h100", gpus_p
         return plan(dims, row_of(kind, tokens, dims), gpu=hw, gpus_per_node=gpus_per_node, training=training,
                     sizes=[gpus_per_node], all_layouts=False, constants=constants)[0]
 
-    if not priced(STEP).fits:
-        return Longest(0, None)
+    first = priced(STEP)
+    if not first.fits:
+        return Longest(0, None, first.binds)
     low, high = 1, 2  # in STEPs: low fits, high is to be tried
     while priced(high * STEP).fits:
         low, high = high, high * 2
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if priced(middle * STEP).fits else (low, middle)
-    return Longest(low * STEP, priced(low * STEP))
+    return Longest(low * STEP, priced(low * STEP), priced(high * STEP).binds)
+
+
+ALST_LONGEST = 3.7e6  # DeepSpeed ALST's longest row on one node of 8 H100: Llama-8B, 3.7M tokens (its paper)
 
 
 def longest_lines(model, kind: str, training: Training, gpus_per_node: int = 8, gpus=("h100", "h200"),
                   **rates) -> list[str]:
-    """One line per GPU kind: the longest row on one node, its peak and step, the host memory and the copies."""
+    """One line per GPU kind: the longest row on one node, its device peak and host per node against their budgets,
+    which one binds, its step and the copies; ALST's published row beside it."""
     lines = []
     for gpu in gpus:
         best = longest_row(model, kind, gpu, gpus_per_node, training, **rates)
         name = f"one node of {gpus_per_node} {gpu.upper()}"
         if best.row is None:
-            lines.append(f"longest {kind} row on {name}: under {STEP} tokens")
+            lines.append(f"longest {kind} row on {name}: under {STEP} tokens ({best.binds} binds)")
             continue
-        r, tm = best.row, best.row.time
-        copies = (f"; host {r.host_gib_per_node:.0f} GiB per node, copies {tm.offload_copies:.1f} s of which "
-                  f"{tm.offload:.1f} s exposed" if r.memory.host_total else "")
-        lines.append(f"longest {kind} row on {name}: {best.tokens:,} tokens ({best.tokens / 2**20:.2f}M) at "
-                     f"U x R {r.ulysses} x {r.ring}, {r.peak_gib:.1f} GiB per GPU, step {tm.total:.0f} s{copies}")
+        r, tm, margin = best.row, best.row.time, hardware(gpu, **rates).margin
+        copies = (f"; copies {tm.offload_copies:.1f} s of which {tm.offload:.1f} s exposed"
+                  if training.offload_checkpoints else "")
+        lines.append(f"longest {kind} row on {name}: {best.tokens:,} tokens ({best.tokens / 2**20:.2f}M) at U x R "
+                     f"{r.ulysses} x {r.ring}; device {r.peak_gib:.1f} of {r.device_budget_gib:.1f} GiB per GPU "
+                     f"(usable less a {margin:.0%} margin); host {r.host_gib_per_node:,.0f} of "
+                     f"{r.host_budget_gib:,.0f} GiB per node; {best.binds} binds; step {tm.total:.0f} s{copies}; "
+                     f"ALST (Llama-8B, 8 H100): {ALST_LONGEST / 1e6:.1f}M")
     return lines

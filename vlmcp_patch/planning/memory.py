@@ -8,9 +8,11 @@ import math
 from dataclasses import dataclass
 
 from ..settings import AUTO
+from ..tiles import NORM_BACKWARD_WIDTH, tile_tokens
 from ..tiles import mlp_tile_tokens as package_mlp_tile_tokens
 from ..vision_tiles import tile_patches
 from .dims import ModelDims
+from .host import batch_host_bytes, checkpoint_pool_bytes, offloaded_optimizer_host
 from .layouts import replicated
 from .rows import Row
 from .training import Constants, Training
@@ -131,26 +133,34 @@ class Memory:
     # with checkpointing, the decoder's forward at its peak layer beside what `activations` holds: the vision
     # features, the embeddings and the previous layer's output, one layer's forward working set
     forward_decoder: float = 0.0
-    host: float = 0.0  # the checkpoint offload's host pool of this rank (not on the device: not in `total`)
-    host_optimizer: float = 0.0  # the optimizer offloaded to the host (not in `total`)
+    host: float = 0.0  # the checkpoint offload's bytes held in host memory by this rank (not on the device)
+    host_pool: float = 0.0  # the host bytes its pool allocates to hold them (`offload.pool_bytes_for`)
+    host_optimizer: float = 0.0  # the optimizer offloaded to the host, as DeepSpeed holds it (`host.HostOptimizer`)
+    host_batch: float = 0.0  # this rank's batch on the host: the row's integers, its share of the pixel values
     exchange: float = 0.0  # all-to-all send/receive buffers, ring K/V in flight, DeltaNet state gathers
     batch: float = 0.0  # the row's integer tensors (whole row on every rank) and this rank's pixel values
+    # kernels' transients beside the recomputed layer in backward: flash-attn 2's backward scratch (fp32 dq
+    # accumulator, GQA-expanded dk / dv) or a recomputed RMSNorm tile's fp32 values and gradients; never alive with
+    # the exchange buffers (a kernel runs between the exchanges, each freeing its buffers when it returns)
+    scratch: float = 0.0
+    forward_exchange: float = 0.0  # the exchange buffers of the layer computing in the decoder's forward
+    rotary: float = 0.0  # the rotary tables (cos, sin) of the slice, alive through the decoder's forward and backward
 
     @property
     def total(self) -> float:
         """The peak: what lives through the step, plus the largest of three phases' transients, never alive
-        together — the decoder's forward (`forward_decoder`), the end of the forward (the features and the final norm,
-        the head's chunk and the head weight's fp32 gradient, which the fused head makes there) and one layer's
-        recompute in backward (its working set with its exchange buffers and the feature gradients arrived by then)."""
-        return (self.weights + self.gradients + self.optimizer + self.activations + self.batch
-                + max(self.working + self.exchange, self.forward_only + self.head + self.head_weight,
-                      self.forward_decoder))
+        together — the decoder's forward (`forward_decoder` with its exchange buffers), the end of the forward (the
+        features and the final norm, the head's chunk and the head weight's fp32 gradient, which the fused head makes
+        there) and one layer's recompute in backward (its working set with the feature gradients arrived by then, and
+        the larger of its exchange buffers and its kernels' scratch, which are never alive at once)."""
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.batch + self.rotary
+                + max(self.working + max(self.exchange, self.scratch), self.forward_only + self.head + self.head_weight,
+                      self.forward_decoder + self.forward_exchange))
 
     @property
     def host_total(self) -> float:
-        """Host bytes this rank needs: the checkpoint pool and the offloaded optimizer."""
-        return self.host + self.host_optimizer
-
+        """Host bytes this rank needs: the checkpoint pool as allocated, the offloaded optimizer, its batch."""
+        return self.host_pool + self.host_optimizer + self.host_batch
 
 
 def static_memory(d: ModelDims, t: Training, world: int) -> tuple[float, float, float]:
@@ -175,12 +185,9 @@ def static_memory(d: ModelDims, t: Training, world: int) -> tuple[float, float, 
 
 
 def offloaded_optimizer(d: ModelDims, t: Training, world: int) -> float:
-    """Host bytes per rank of an offloaded optimizer: fp32 master weights and two moments of its share of the
-    trained parameters (the sharding's share; all of them without ZeRO)."""
-    if not t.offload_optimizer:
-        return 0.0
-    trained = d.params() - (d.vision_params() if t.freeze_vision else 0)
-    return 12.0 * trained / (1 if t.sharding == "none" else world)
+    """Host bytes per rank of an offloaded optimizer as DeepSpeed holds it: its states, its fp32 gradients and its
+    pinned buffers as allocated (`host.offloaded_optimizer_host`)."""
+    return offloaded_optimizer_host(d, t, world).total
 
 
 def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: int, ulysses: int) -> Memory:
@@ -225,6 +232,10 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     ring_rule = 2 * deltanet_rule_elements(d, ulysses) if (ring > 1 and d.linear_layers) else 0.0
     dn += ring_rule
     attention_x, deltanet_x = exchange_elements(d, t, local, ulysses, ring)
+    # the kernels' transients in a layer's backward, bytes: flash-attn's scratch (softmax layers), a recomputed norm
+    # tile's fp32 values and gradients
+    flash_scratch = flash_backward_scratch_bytes(d, t, local, ulysses)
+    norm_scratch = norm_tile_scratch_bytes(d, local) if recomputed else 0.0
     # the final norm's input and output (its backward's and the head's) and what it keeps besides, unless recomputed
     final = local * (2 * d.hidden + (0.0 if recomputed else norms["final"]))
     m = Memory()
@@ -232,6 +243,7 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
         m.activations = b * local * (d.full_layers * c.attention * att + d.linear_layers * c.deltanet * dn)
         m.activations += b * ((0 if tile else patches * c.vision * (d.vision_depth * vis + mergers)) + features + final)
         m.exchange = b * max(attention_x, deltanet_x)  # transient, one layer's at a time
+        m.scratch = max(flash_scratch, norm_scratch)  # everything saved is alive at the last layer's backward
         m.working = b * tile_work  # a vision tile recomputed in backward (the exchanges are not running then)
     else:
         decoder = b * local * d.hidden * d.layers
@@ -256,24 +268,36 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
         gradient = 2 * d.hidden
         mlp_work = c.mlp_work * mlp
         around = beside_a_recomputed_layer(d, local, vision_local, t.offload_checkpoints)
-        kinds = ([(local * (c.attention_work * (att - mlp) + mlp_work + gradient) + around, attention_x)]
+        # flash-attn's backward scratch beside a softmax layer's working set (its kernel runs in the middle of it)
+        kinds = ([(local * (c.attention_work * (att - mlp) + mlp_work + gradient) + around, attention_x,
+                   flash_scratch / b)]
                  if d.full_layers else [])
         if d.linear_layers:
-            kinds.append((local * (c.deltanet_work * (dn - mlp) + mlp_work + gradient) + around, deltanet_x))
+            kinds.append((local * (c.deltanet_work * (dn - mlp) + mlp_work + gradient) + around, deltanet_x, 0.0))
+        if norm_scratch:  # a recomputed norm's tiles run when the rest of its layer's backward is done (measured:
+            # priced on top of the working set it overpredicts the recomputed rows by 12-15 %): beside the gradient,
+            # the layer's input and the q / k norms' inputs
+            qk = (d.heads + d.kv_heads) * d.head_dim if d.full_layers else 0
+            kinds.append((local * (gradient + d.hidden + qk) + around, 0.0, norm_scratch / b))
         if d.vision_depth:
             tower = tile_work if tile else patches * (c.vision_work * vis + 2 * d.vision_width)
-            kinds.append((tower + features - decoder / b, 0.0))
-        working, exchange = max(kinds, key=sum)
-        m.working, m.exchange = b * working, b * exchange
+            kinds.append((tower + features - decoder / b, 0.0, 0.0))
+        working, exchange, scratch = max(kinds, key=lambda k: k[0] + max(k[1], k[2]))
+        m.working, m.exchange, m.scratch = b * working, b * exchange, b * scratch
         # the decoder's forward at its layers: the vision features routed to the rank (the joined features, the
         # base of the views stock's forward holds until the decoder returns) and stock's own copy of the merged
         # features (its deepstack copies the decoder no longer reads: `vision.use_the_routed_deepstack_levels`), the
         # embeddings and the previous layer's output, and one layer's forward working set, which is what its
         # recompute keeps (measured: a probe at the forward's peak, layer 1 of the image-heavy rows in
         # production-like MLP tiles)
-        layer_forward = max(c.attention_work * (att - mlp) if d.full_layers else 0.0,
-                            c.deltanet_work * (dn - mlp) if d.linear_layers else 0.0)
+        # with its exchange buffers (q, k, v going to the heads and the output coming back): the kind whose sum is
+        # larger
+        forward_kinds = ([(c.attention_work * (att - mlp), attention_x / local)] if d.full_layers else [])
+        if d.linear_layers:
+            forward_kinds.append((c.deltanet_work * (dn - mlp), deltanet_x / local))
+        layer_forward, forward_exchange = max(forward_kinds, key=sum)
         m.forward_decoder = b * (features + vision_local * d.hidden + local * (2 * d.hidden + layer_forward))
+        m.forward_exchange = b * local * forward_exchange
     # the fused head: one chunk of fp32 logits (turned into their gradient in place), its copy in the head's dtype
     # for the gradient matmuls (the matmul's own output before the upcast, as large) and, for the weight's fp32
     # gradient, that copy's fp32 cast (`.T.float()`; not when the head is frozen), and the slice's hidden-state
@@ -295,7 +319,47 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     # the patch embedding keeps for backward: under CP the integrations copy a rank's share to its device inside the
     # step, at P = 1 the whole batch is there (in tiles, a tile's pixels only, in its working set)
     m.batch = 32.0 * row.tokens + (0 if tile else b * patches * d.patch_values)
+    m.rotary = rotary_bytes(d, t, local)
+    m.host_pool = checkpoint_pool_bytes(m.host)
+    m.host_batch = batch_host_bytes(d, row, size)
     return m
+
+
+def flash_backward_scratch_bytes(d: ModelDims, t: Training, local: int, ulysses: int) -> float:
+    """Bytes flash-attn 2's varlen backward allocates beside its inputs and outputs, for one softmax layer of a rank
+    that attends `local x U` tokens (its Ulysses subgroup's; a ring's block calls are as long) for H / U query heads
+    (`mha_varlen_bwd` in `csrc/flash_attn/flash_api.cpp`): the fp32 dq accumulator (tokens x heads x the head size
+    rounded up to 32, or 64 above 128), the fp32 softmax_d (tokens x heads) and, under GQA (fewer KV heads than
+    query heads on the rank, after the package's replication for U), dk and dv expanded to every query head in the
+    activations' dtype. 0 without flash-attn (`t.attention`), or without softmax layers."""
+    if t.attention != "flash_attention_2" or not d.full_layers:
+        return 0.0
+    tokens, heads = local * ulysses, d.heads // ulysses
+    kv_heads = replicated(d.kv_heads, d.heads, ulysses) // ulysses
+    rounded = -(-d.head_dim // (32 if d.head_dim <= 128 else 64)) * (32 if d.head_dim <= 128 else 64)
+    scratch = 4.0 * tokens * heads * (rounded + 1)
+    if kv_heads != heads:
+        scratch += 2.0 * t.bytes_per_value * tokens * heads * d.head_dim
+    return scratch
+
+
+def norm_tile_scratch_bytes(d: ModelDims, local: int) -> float:
+    """Bytes of a recomputed RMSNorm's fp32 transient in backward (`tiles.recomputed_norm_forward`): one tile of rows,
+    `NORM_BACKWARD_WIDTH` fp32 values per normalized number (its input's fp32 copy, the normalized input, their
+    gradients), tiles by the package's rule (`tiles.tile_tokens`) — the largest of the decoder's norms: the layer
+    norms (the slice's tokens x hidden) and the q and k norms (a row per token and head, head_dim wide)."""
+    norms = [(local, d.hidden)]
+    if d.full_layers:
+        norms += [(local * d.heads, d.head_dim), (local * d.kv_heads, d.head_dim)]
+    return max(4.0 * NORM_BACKWARD_WIDTH * width * tile_tokens(rows, width, NORM_BACKWARD_WIDTH * width)
+               for rows, width in norms if rows)
+
+
+def rotary_bytes(d: ModelDims, t: Training, local: int) -> float:
+    """The rotary tables of the slice (cos and sin, head_dim wide, in the activations' dtype; Qwen3-VL's 3D mRoPE
+    interleaves its three sections into the same two tables): computed once per forward and handed to every layer,
+    alive through forward and backward. Head_dim wide even where the rotary is partial (Qwen3.5): an upper bound."""
+    return 2.0 * t.bytes_per_value * local * d.head_dim if d.full_layers else 0.0
 
 
 def beside_a_recomputed_layer(d: ModelDims, local: int, vision_local: int, offloaded: bool) -> float:

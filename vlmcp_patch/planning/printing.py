@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .dims import ModelDims
 from .hardware import GIB, Hardware
+from .host import HOST_GIB_PER_RANK, HOST_NODE_SHARE
 from .rows import Row
 from .table import PlanRow, plan
 from .training import Training
@@ -24,10 +25,10 @@ def format_table(rows: list[PlanRow], dims: ModelDims, row: Row, hw: Hardware, t
         g = lambda x: f"{x / GIB:.1f}"  # noqa: E731
         mark_text = ("* " if r.smallest else "") + ("> " if r.fastest else "") + r.why
         lines.append(f"{r.size:>4} {f'{r.ulysses}x{r.ring}':>6} {r.nodes:>5} {r.peak_gib:>8.1f} "
-                     f"{'yes' if r.fits else 'no':>4} {r.other_checkpointing_gib:>7.1f} "
+                     f"{_fits(r):>4} {r.other_checkpointing_gib:>7.1f} "
                      f"{g(m.weights + m.gradients + m.optimizer):>7} "
                      f"{g(m.activations + m.forward_only):>6} {g(m.working):>6} {g(m.head + m.head_weight):>5} "
-                     f"{g(m.exchange):>5} "
+                     f"{g(max(m.exchange, m.scratch)):>5} "
                      f"{r.host_gib_per_node:>9.1f} {tm.total:>8.2f} {tm.compute:>8.2f} {tm.all_to_all:>6.2f} "
                      f"{tm.ring:>6.2f} {tm.ring_overlapped:>7.2f} {tm.deltanet_state:>6.3f} {tm.sharding:>6.2f} "
                      f"{tm.offload_copies:>6.2f} {tm.offload:>6.2f} {r.tokens_per_s_per_gpu:>9.0f}  {mark_text}")
@@ -35,15 +36,26 @@ def format_table(rows: list[PlanRow], dims: ModelDims, row: Row, hw: Hardware, t
     return "\n".join(lines)
 
 
+def _fits(r: PlanRow) -> str:
+    """'yes', or what the row overflows: 'dev' (the GPU), 'host' (the node's host memory), 'both'."""
+    return "yes" if r.fits else {"device": "dev", "host": "host"}.get(r.binds, "both")
+
+
 def assumptions(dims: ModelDims, hw: Hardware, t: Training) -> list[str]:
     return [
-        "marks: * smallest P that fits (the package's layout); > fastest per GPU among those that fit; "
+        "marks: * smallest P that fits (the package's layout); > fastest per GPU among those that fit; fits: 'yes', "
+        "or what the row overflows ('dev': the GPU's usable memory less the margin, 'host': the node's host memory); "
+        "'exch': the exchange buffers or the kernels' scratch (flash-attn's backward, a norm tile), the larger; "
         f"'{'GC off' if t.gradient_checkpointing else 'GC on'}': the peak with checkpointing switched "
         f"{'off' if t.gradient_checkpointing else 'on'}; memory parts in GiB, times in s",
         f"assumptions: {dims.params() / 1e9:.2f}B parameters; bf16 weights and gradients, fp32 Adam "
         f"({'offloaded' if t.offload_optimizer else 'on the GPU'}), sharding {t.sharding} over P x {t.dp} ranks; "
         f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}; usable memory "
-        f"{hw.usable:.0%} of {hw.memory_gib:g} GiB",
+        f"{hw.usable:.0%} of {hw.memory_gib:g} GiB, of which the row leaves {hw.margin:.0%} free (--margin)",
+        f"  host/node: {hw.host_memory_gib:,.0f} GiB per node (--host-memory-gib) for the checkpoint pools as "
+        "allocated, the offloaded optimizer as DeepSpeed holds it (states and fp32 gradients, pinned blocks), every "
+        "rank's batch (the row's integers, 1/P of its fp32 pixel values plus one item) and an allowance of "
+        f"{HOST_GIB_PER_RANK:g} GiB per rank and {HOST_NODE_SHARE:.0%} of the node (docs/plan.md)",
         f"  attained rates: matmul {hw.matmul_tflops:g}, attention {hw.attention_tflops:g}, DeltaNet "
         f"{hw.deltanet_tflops:g} TFLOP/s; links NVLink {hw.nvlink_gbs:g} GB/s, IB {hw.ib_gbs:g} GB/s per GPU, "
         f"{hw.latency_s * 1e6:g} us per collective step",
@@ -99,21 +111,25 @@ LONGEST_SETUPS = (("nothing", Training()), ("checkpoints", Training(offload_chec
 
 def longest_table(gpus_per_node: int = 8, gpus=("h100", "h200")) -> str:
     """Markdown: for each model of the sizing table, the longest video row on one node of `gpus_per_node` GPUs in
-    each of `LONGEST_SETUPS` (ZeRO-3, checkpointing, MLPs in tiles, the default rates)."""
+    each of `LONGEST_SETUPS` (ZeRO-3, checkpointing, MLPs in tiles, the default rates, margin and host memory):
+    its device peak and host per node against their budgets, and which one binds."""
     from .longest import longest_row
 
-    lines = ["| model | GPUs | offloaded | longest video row | U x R | peak GiB / GPU | step s | host GiB / node | "
-             "copies s (exposed) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | GPUs | offloaded | longest video row | U x R | device GiB / GPU (budget) | "
+             "host GiB / node (budget) | binds | step s | copies s (exposed) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name in SIZING_MODELS:
         for gpu in gpus:
             for where, training in LONGEST_SETUPS:
                 best = longest_row(name, "video", gpu, gpus_per_node, training)
                 if best.row is None:
-                    lines.append(f"| {name} | {gpus_per_node} {gpu.upper()} | {where} | none | | | | | |")
+                    lines.append(f"| {name} | {gpus_per_node} {gpu.upper()} | {where} | none | | | | "
+                                 f"{best.binds} | | |")
                     continue
                 r, tm = best.row, best.row.time
                 copies = f"{tm.offload_copies:.1f} ({tm.offload:.1f})" if training.offload_checkpoints else "—"
                 lines.append(f"| {name} | {gpus_per_node} {gpu.upper()} | {where} | {best.tokens:,} "
-                             f"({best.tokens / 2**20:.2f}M) | {r.ulysses} x {r.ring} | {r.peak_gib:.1f} | "
-                             f"{tm.total:.0f} | {r.host_gib_per_node:.0f} | {copies} |")
+                             f"({best.tokens / 2**20:.2f}M) | {r.ulysses} x {r.ring} | {r.peak_gib:.1f} "
+                             f"({r.device_budget_gib:.1f}) | {r.host_gib_per_node:,.0f} ({r.host_budget_gib:,.0f}) | "
+                             f"{best.binds} | {tm.total:.0f} | {copies} |")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from .dims import model_dims
 from .hardware import GIB, Hardware, hardware
 from .layouts import candidate_sizes, layouts, package_ulysses
+from .host import allowance_bytes
 from .memory import Memory, activation_memory, offloaded_optimizer, static_memory
 from .rows import Row
 from .timing import Time, step_time
@@ -16,8 +17,9 @@ from .training import CALIBRATED, Constants, Training
 
 @dataclass
 class PlanRow:
-    """One (P, U x R) of the plan. `fits`: the predicted peak within the GPU's usable memory; `chosen`: the layout
-    the package picks at this P; `smallest` / `fastest`: the marks of the table; `why`: why it loses (or wins)."""
+    """One (P, U x R) of the plan. `fits`: the predicted peak within the GPU's usable memory less the margin
+    (`device_fits`) and the node's host memory holding its ranks' part (`host_fits`); `chosen`: the layout the package
+    picks at this P; `smallest` / `fastest`: the marks of the table; `why`: why it loses (or wins)."""
 
     size: int
     ulysses: int
@@ -33,6 +35,11 @@ class PlanRow:
     why: str = ""
     other_checkpointing_gib: float = 0.0  # the peak with gradient checkpointing switched the other way
     ranks_per_node: int = 1  # this plan's ranks on one node (P x dp, at most the node's GPUs)
+    device_fits: bool = False
+    host_fits: bool = False
+    device_budget_gib: float = 0.0  # what the peak may reach: usable memory less the margin
+    host_budget_gib: float = 0.0  # the node's host memory
+    host_allowance_gib: float = 0.0  # of the node's host, what is not priced part by part (`host.allowance_bytes`)
 
     @property
     def peak_gib(self) -> float:
@@ -40,8 +47,14 @@ class PlanRow:
 
     @property
     def host_gib_per_node(self) -> float:
-        """Host memory one node needs for its ranks: the checkpoint pools and the offloaded optimizer."""
-        return self.memory.host_total * self.ranks_per_node / GIB
+        """Host memory one node needs: its ranks' checkpoint pools as allocated, offloaded optimizer and batches, and
+        the allowance for the rest."""
+        return self.memory.host_total * self.ranks_per_node / GIB + self.host_allowance_gib
+
+    @property
+    def binds(self) -> str:
+        """What the row overflows: "device", "host", "device and host", or "" when it fits."""
+        return " and ".join(k for k, ok in (("device", self.device_fits), ("host", self.host_fits)) if not ok)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -55,7 +68,8 @@ def plan(model="qwen3-vl-8b", row: Row | int = 131072, gpu: str | Hardware = "h1
     """The table: a PlanRow per P and per U x R the heads allow (only the package's choice if not `all_layouts`).
 
     `row`: a Row, or a token count (one text sample). `gpu`: "h100", "h200" or a Hardware; `memory_gib` and
-    `rates` (matmul_tflops, attention_tflops, deltanet_tflops, nvlink_gbs, ib_gbs, latency_s) override its fields.
+    `rates` (matmul_tflops, attention_tflops, deltanet_tflops, nvlink_gbs, ib_gbs, latency_s; also host_memory_gib,
+    margin, usable) override its fields.
     Marks: `smallest` on the package's layout at the smallest P that fits; `fastest` on the row of highest tokens/s
     per GPU among all rows that fit (any P, any layout); every row's `why` says why it wins or loses."""
     dims = model_dims(model)
@@ -74,14 +88,20 @@ def plan(model="qwen3-vl-8b", row: Row | int = 131072, gpu: str | Hardware = "h1
             memory = activation_memory(dims, row, t, c, size, ulysses)
             memory.weights, memory.gradients, memory.optimizer = weights, grads, optimizer
             memory.host_optimizer = offloaded_optimizer(dims, t, size * t.dp)
+            per_node = min(size * t.dp, gpus_per_node)
+            allowance = allowance_bytes(per_node, hw.host_memory_gib) / GIB
             other = activation_memory(dims, row, flipped, c, size, ulysses)
             other.weights, other.gradients, other.optimizer = weights, grads, optimizer
             time = step_time(dims, row, t, hw, size, ulysses, gpus_per_node)
+            device_fits = memory.total <= hw.device_budget
+            host_fits = memory.host_total * per_node / GIB + allowance <= hw.host_memory_gib
             rows.append(PlanRow(size=size, ulysses=ulysses, ring=ring, nodes=-(-size // gpus_per_node),
                                 tokens_per_rank=row.tokens // size, memory=memory, time=time,
-                                fits=memory.total <= hw.usable * hw.memory_gib * GIB, chosen=ulysses == chosen,
-                                other_checkpointing_gib=other.total / GIB,
-                                ranks_per_node=min(size * t.dp, gpus_per_node)))
+                                fits=device_fits and host_fits, chosen=ulysses == chosen,
+                                other_checkpointing_gib=other.total / GIB, ranks_per_node=per_node,
+                                device_fits=device_fits, host_fits=host_fits,
+                                device_budget_gib=hw.device_budget / GIB, host_budget_gib=hw.host_memory_gib,
+                                host_allowance_gib=allowance))
     mark(rows)
     return rows
 
@@ -103,11 +123,13 @@ def mark(rows: list[PlanRow]) -> None:
 def _why(r: PlanRow, smallest: PlanRow | None, fastest: PlanRow | None, picked: int | None = None) -> str:
     """Why a row wins or loses: what overflows memory, or how much slower per GPU than the fastest and which
     exchange costs it that, and whether the package would pick this layout at this P."""
+    if not r.fits and r.device_fits:
+        return (f"does not fit the host: {r.host_gib_per_node:.0f} GiB per node of {r.host_budget_gib:.0f}")
     if not r.fits:
         m = r.memory
         parts = {"weights+grads+optimizer": m.weights + m.gradients + m.optimizer,
                  "activations": m.activations + m.forward_only + m.working, "head": m.head,
-                 "exchange buffers": m.exchange}
+                 "exchange buffers": m.exchange, "kernel scratch": m.scratch}
         return f"does not fit: {max(parts, key=parts.get)} dominate"
     notes = []
     if r is smallest:
@@ -131,3 +153,15 @@ def _why(r: PlanRow, smallest: PlanRow | None, fastest: PlanRow | None, picked: 
         notes.append(f"not the package's layout at this P (it takes U={picked})" if picked else
                      "not the package's layout at this P")
     return "; ".join(notes)
+
+
+def price(model, row: Row | int, size: int, gpu: str | Hardware = "h100", gpus_per_node: int = 8,
+          training: Training | None = None, memory_gib: float | None = None, constants: Constants | None = None,
+          **rates) -> PlanRow:
+    """The one row that answers "what does this row need at P = `size`": the package's layout, its device peak
+    (`peak_gib`, by part in `memory`) against the budget (`device_budget_gib`: usable memory less the margin),
+    the host per node (`host_gib_per_node`, by part in `memory.host_*` per rank and `host_allowance_gib`) against
+    the node's (`host_budget_gib`), `device_fits`, `host_fits`, `binds`. `rates` as `plan`'s (`margin=`,
+    `host_memory_gib=`, and at run time `usable=1.0` with `memory_gib` the free memory)."""
+    return plan(model, row, gpu=gpu, gpus_per_node=gpus_per_node, memory_gib=memory_gib, training=training,
+                sizes=[size], all_layouts=False, constants=constants, **rates)[0]
