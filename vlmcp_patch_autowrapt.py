@@ -4,61 +4,51 @@ first `import transformers`, as if the line after that import were `import vlmcp
 
 autowrapt's startup file reads the variable in every interpreter; wrapt then loads this module (the
 `[project.entry-points.vlmcp_patch]` entry `transformers`) at startup and registers `on_transformers_import` as a
-post-import hook of `transformers`. That is why it lives outside the package and imports nothing: a process that never
-imports transformers loads this file and nothing of vlmcp_patch, torch or transformers. Without the variable,
-autowrapt loads nothing beyond its own one file and this module is never read.
+post-import hook of `transformers`. That is why it lives outside the package and imports nothing but wrapt (which
+autowrapt has loaded already): a process that never imports transformers loads this file and nothing of vlmcp_patch,
+torch or transformers. Without the variable, autowrapt loads nothing beyond its own one file and this module is never
+read.
+
+Only public import machinery is used: wrapt's post-import hooks. The package defers each optional patch until the
+module holding its target has been imported (`patching.PatchSet.on_module_imported`). One case needs this module's
+help: transformers is often first imported by such a module itself (`from trl import SFTTrainer` runs TRL's
+`sft_trainer`, whose first lines import transformers), so the package arrives while that module's top-level code is
+still running, and wrapt cannot report the end of an import that began before a hook was registered. So this module,
+loaded before any import of the program, registers a hook on each module holding an optional target
+(`OPTIONAL_TARGET_MODULES`, checked against the package's patch records by tests/test_autowrapt.py), which hands the
+finished module to the package.
 """
 
 import sys
 
+import wrapt
+
+# The modules that hold the targets of the package's optional patches (`patching.target_module` of each record with
+# `requires`).
+OPTIONAL_TARGET_MODULES = (
+    "accelerate.accelerator", "accelerate.data_loader",
+    "deepspeed", "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2",
+    "flash_attn", "flash_attn.flash_attn_interface",
+    "transformers.trainer",
+    "trl.generation.vllm_generation", "trl.trainer.dpo_trainer", "trl.trainer.grpo_config", "trl.trainer.grpo_trainer",
+    "trl.trainer.kto_trainer", "trl.trainer.rloo_config", "trl.trainer.rloo_trainer", "trl.trainer.sft_trainer",
+)
+
 
 def on_transformers_import(module) -> None:
     """wrapt's post-import hook of `transformers` (the module, just imported): install vlmcp_patch's patches, exactly
-    what `import vlmcp_patch` does (VLMCP_CP_SIZE, VLMCP_DISABLE and the other settings read as there).
-
-    When transformers is first imported by another module's import (TRL's `trl.SFTConfig` imports it from
-    `trl.trainer.sft_config`), that import is not finished: the package's TRL patches, which resolve `trl.SFTTrainer`,
-    would import TRL's half-initialized modules again (a circular import). The package is then imported as soon as
-    the outermost import in progress ends — where a script's `import vlmcp_patch` on the next line would run."""
-    outermost = _outermost_import_in_progress()
-    if outermost is None or not _when_finished(outermost, _import_the_package):
-        _import_the_package()
-
-
-def _import_the_package() -> None:
+    what `import vlmcp_patch` does (VLMCP_CP_SIZE, VLMCP_DISABLE and the other settings read as there)."""
     import vlmcp_patch  # noqa: F401 - the import applies the patches
 
 
-def _outermost_import_in_progress():
-    """The spec of the first-started module import that has not finished (`ModuleSpec._initializing`, which the
-    import system sets while it runs a module's code), or None."""
-    for name, loaded in list(sys.modules.items()):
-        spec = getattr(loaded, "__spec__", None)
-        if name != "transformers" and getattr(spec, "_initializing", False):
-            return spec
-    return None
+def on_target_import(module) -> None:
+    """wrapt's post-import hook of a module of `OPTIONAL_TARGET_MODULES`, registered at startup: where the package
+    has arrived, it installs the patches of that module now that its import has ended (a no-op when it has
+    already; where the package has not arrived, it installs them when it does)."""
+    patching = sys.modules.get("vlmcp_patch.patching")
+    if patching is not None:
+        patching.PATCHES.on_module_imported(module)
 
 
-def _when_finished(spec, callback) -> bool:
-    """Call `callback` once the import of `spec` ends: the import system clears `spec._initializing` last, after the
-    module is in `sys.modules` (importlib's `_load_unlocked`). The spec's class is swapped for a subclass whose
-    `_initializing` setter notices that. False where the spec's class cannot be swapped (the caller acts now)."""
-    base = type(spec)
-
-    class _NotifyingSpec(base):
-        @property
-        def _initializing(self):
-            return self.__dict__.get("_initializing", False)
-
-        @_initializing.setter
-        def _initializing(self, value):
-            self.__dict__["_initializing"] = value
-            if not value:
-                self.__class__ = base  # once
-                callback()
-
-    try:
-        spec.__class__ = _NotifyingSpec
-    except TypeError:  # a spec class with a layout of its own
-        return False
-    return True
+for _name in OPTIONAL_TARGET_MODULES:
+    wrapt.register_post_import_hook(on_target_import, _name)

@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -63,16 +64,146 @@ def test_a_process_that_never_imports_transformers_imports_nothing_of_the_packag
 
 
 @NEEDS_BOOTSTRAP
-@pytest.mark.parametrize("first_import", ["import transformers", "import trl; trl.SFTConfig"])
-def test_importing_transformers_applies_the_patches_only_with_the_variable(first_import):
-    """Also where transformers is first imported inside another package's import (TRL's config module): the
-    package then arrives when that import ends, its TRL patches installed (no circular import)."""
+@pytest.mark.parametrize("first_import,installed", [
+    ("import transformers", ""),
+    ("import trl; trl.SFTConfig", ""),
+    pytest.param("from trl import SFTTrainer", "trl.trainer.sft_trainer.add_fused_lm_head",
+                 marks=pytest.mark.integration),
+    pytest.param("from trl import GRPOConfig", "trl.trainer.grpo_config.GRPOConfig.__post_init__",
+                 marks=pytest.mark.integration),
+])
+def test_importing_transformers_applies_the_patches_only_with_the_variable(first_import, installed):
+    """Also where transformers is first imported by a module that holds a patch target, whose top-level code is
+    still running when the package arrives (TRL's `sft_trainer` and `grpo_config` import transformers first): that
+    module's patches are installed when its import ends, none refused (no circular import, no half-run module)."""
     code = (f"{first_import}; import sys; m = sys.modules.get('vlmcp_patch'); "
             "print(m is not None and m.PATCHES.active, m is not None and m.cp_size(), "
-            "m is not None and any(t.startswith('trl.') for t in m.PATCHES._undo))")
-    expected = "True 2 True" if "trl" in first_import else "True 2 False"
-    assert _python(code, {**ON, "VLMCP_CP_SIZE": "2"}) == expected
-    assert _python(code, {**OFF, "VLMCP_CP_SIZE": "2"}) == "False False False"  # the control: inert when unset
+            "m is not None and ','.join(sorted(t for t in m.PATCHES._undo if t.startswith('trl.'))), "
+            "m is not None and sorted(m.PATCHES.refused))")
+    assert _python(code, {**ON, "VLMCP_CP_SIZE": "2"}) == f"True 2 {installed} []"
+    assert _python(code, {**OFF, "VLMCP_CP_SIZE": "2"}) == "False False False False"  # the control: inert when unset
+
+
+def _optional_patches() -> list:
+    import vlmcp_patch
+
+    return [p for p in vlmcp_patch.PATCHES.patches if getattr(p, "requires", None)]
+
+
+def test_the_startup_hooks_watch_every_module_that_holds_an_optional_target():
+    """The hook module's list (`OPTIONAL_TARGET_MODULES`) is the package's optional targets' modules, and each
+    target lives in the module `target_module` names (a module's function or a module's class's attribute), for every
+    optional package installed here."""
+    import importlib
+
+    import vlmcp_patch_autowrapt
+    from vlmcp_patch.patching import applies_here, target_module
+
+    optional = _optional_patches()
+    assert set(vlmcp_patch_autowrapt.OPTIONAL_TARGET_MODULES) == {target_module(p.target) for p in optional}
+    checked = 0
+    for patch in optional:
+        if importlib.util.find_spec(patch.requires.split(".")[0]) is None or not applies_here(patch):
+            continue
+        obj = importlib.import_module(target_module(patch.target))
+        for part in patch.target[len(target_module(patch.target)) + 1:].split("."):
+            obj = getattr(obj, part)
+            assert not isinstance(obj, type(importlib)), f"{patch.target}: {part} is a module, not an attribute"
+        checked += 1
+    assert checked >= 20, checked
+
+
+THREADS = """
+    import sys, threading, warnings
+    warnings.simplefilter("error")  # a refused patch's warning fails the run
+    {first}
+    barrier, errors = threading.Barrier(2), []
+
+    def run(statement):
+        try:
+            barrier.wait()
+            exec(statement, {{}})
+        except BaseException as error:
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in ("from trl import SFTTrainer",
+                                                                 "from trl import GRPOTrainer")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    from vlmcp_patch import PATCHES
+    from vlmcp_patch.patching import applies_here, target_module
+    wanted = {{p.target for p in PATCHES.patches if getattr(p, "requires", None) and applies_here(p)
+               and target_module(p.target) in ("trl.trainer.sft_trainer", "trl.trainer.grpo_trainer")}}
+    print(errors, sorted(wanted - set(PATCHES._undo)), dict(PATCHES.refused), sorted(PATCHES._pending), len(wanted))
+"""
+
+
+@pytest.mark.parametrize("first", [pytest.param("import vlmcp_patch", marks=pytest.mark.integration),
+                                   "import transformers"])
+def test_two_threads_importing_patch_targets_at_once_install_every_patch(first):
+    """Two threads import TRL's SFT and GRPO trainers at the same moment, after `import vlmcp_patch` (the package
+    hooks their modules) or, under the autowrapt variable, after `import transformers` (the hook brings the package):
+    both imports succeed and every patch of both modules is installed, none refused or left pending."""
+    pytest.importorskip("trl")
+    env = {**ON, "VLMCP_CP_SIZE": "2"} if first == "import transformers" else {**OFF}
+    if first == "import transformers" and not _bootstrap_installed():
+        pytest.skip("needs autowrapt and the package's entry point installed: pip install -e '.[test]'")
+    out = _python(textwrap.dedent(THREADS.format(first=first)), env)
+    wanted = int(out.rsplit(" ", 1)[1])
+    assert out == f"[] [] {{}} [] {wanted}" and wanted >= 2, out  # no error, none missing, refused or pending
+
+
+FAILING = """
+    import sys, warnings
+    sys.path.insert(0, {folder!r})
+    from vlmcp_patch.patching import Patch, PatchSet
+
+    def passthrough(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs) + 1
+
+    patches = PatchSet([
+        Patch(target="frozen_target.Frozen.method", wrapper=passthrough, reason="t", requires="frozen_target"),
+        Patch(target="frozen_target.Open.method", wrapper=passthrough, reason="t", requires="frozen_target"),
+    ])
+    patches.apply()
+    assert "frozen_target" not in sys.modules  # deferred: applying imports nothing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import frozen_target  # the import that runs the hook: it must succeed
+    import json
+    print(json.dumps({{"refused": patches.refused, "open": frozen_target.Open().method(),
+                      "frozen": frozen_target.Frozen().method(), "warnings": [str(w.message) for w in caught]}}))
+"""
+
+FROZEN_MODULE = """
+class _NoSetting(type):
+    def __setattr__(cls, name, value):
+        raise TypeError(f"{cls.__name__} takes no new attributes")
+
+
+class Frozen(metaclass=_NoSetting):
+    def method(self):
+        return 1
+
+
+class Open:
+    def method(self):
+        return 1
+"""
+
+
+def test_a_patch_that_fails_to_install_is_refused_by_name_and_the_import_that_ran_it_succeeds(tmp_path):
+    """A patch whose installation raises something other than a target check (a class that refuses new attributes):
+    the import of its module, which runs the post-import hook, succeeds; the patch is refused with a warning naming it
+    and the error; the other patch of that module is installed and works (the control: the same wrapper, installed)."""
+    (tmp_path / "frozen_target.py").write_text(FROZEN_MODULE)
+    out = json.loads(_python(textwrap.dedent(FAILING.format(folder=str(tmp_path))), OFF))
+    why = "patch frozen_target.Frozen.method failed to install: TypeError: Frozen takes no new attributes"
+    assert out["refused"] == {"frozen_target.Frozen.method": ["frozen_target", why]}, out
+    assert out["open"] == 2 and out["frozen"] == 1, out  # the control installed; the failing one left stock
+    assert out["warnings"] == [f"vlmcp-patch: {why}. Context parallelism under frozen_target is refused."], out
 
 
 def test_the_report_says_whether_the_variable_can_act(monkeypatch):

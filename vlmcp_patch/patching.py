@@ -13,9 +13,13 @@ import: it is recorded in `PatchSet.unverified`, and the family it belongs to (`
 family) is left stock — none of its patches is installed, only the `guard` its top-level forwards declare,
 which calls stock with CP off and refuses under CP (`forward/unverified.py`). The other families are patched.
 
-Patches of the optional stacks (TRL, DeepSpeed, Accelerate) are installed when their package is imported.
-One whose target no longer verifies is refused alone — the rest of the package works — and the
-integration that needs it raises before the first step under CP (`require_integration`).
+Patches of the optional stacks (TRL, DeepSpeed, Accelerate, the Trainer) are installed when the module that holds
+their target has been imported (`target_module`), through wrapt's public post-import hooks: at once where it already
+is, else when its import ends — never by importing it, and never into a module still running its own top-level code
+(TRL's `sft_trainer` imports transformers first: the autowrapt hook imports the package there). One whose target no
+longer verifies, or whose installation fails in any way, is refused alone with a warning naming it — the rest of the
+package works, the import that triggered it succeeds — and the integration that needs it raises before the first
+step under CP (`require_integration`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import sys
+import threading
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -270,6 +275,27 @@ def _package(patch) -> str | None:
     return getattr(patch, "requires", None)
 
 
+def target_module(target: str) -> str:
+    """The module that holds a dotted target, named without importing anything: the parts before the first class
+    (a capitalised part: `trl.trainer.sft_trainer` of `trl.trainer.sft_trainer.SFTTrainer.compute_loss`), else all
+    but the last (`deepspeed` of `deepspeed.initialize`). Every optional target is a module's function or a
+    module's class's attribute (tests/test_autowrapt.py checks each against the installed packages)."""
+    parts = target.split(".")
+    first_class = next((i for i, part in enumerate(parts) if part[:1].isupper()), len(parts) - 1)
+    return ".".join(parts[:first_class])
+
+
+def _importing_in_this_thread(module) -> bool:
+    """Whether `module`'s top-level code is still running in this thread: a frame of this thread's stack runs the
+    module's body (public frame attributes; the import system's own mark of a module in progress is private)."""
+    frame, namespace = inspect.currentframe(), vars(module)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals is namespace:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def applies_here(patch, version: str | None = None) -> bool:
     """False for a patch declared (`since`) for releases other than the installed one, or than `version` of the
     package it names when given (`tools/check_release.py`): its target does not exist yet, or it is not needed."""
@@ -290,9 +316,9 @@ def applies_here(patch, version: str | None = None) -> bool:
 class PatchSet:
     """All of the package's patches, applied or reverted together; the one record of what is installed.
 
-    Patches of optional packages (`requires`) are installed when that package is imported — at once
-    if it already is, otherwise by a wrapt post-import hook — so importing vlmcp_patch never imports
-    DeepSpeed or Accelerate itself. The core patches (transformers) are all-or-nothing per family: one
+    Patches of optional packages (`requires`) are installed when the module holding their target has been
+    imported (`on_module_imported`, the module docstring) — so importing vlmcp_patch never imports
+    DeepSpeed, Accelerate or TRL itself. The core patches (transformers) are all-or-nothing per family: one
     target that does not verify leaves its family stock (`unverified`; its top-level forwards guarded) and
     never raises. An optional package's patches are checked one by one:
     one that does not verify is refused (`refused`) and the others install.
@@ -303,7 +329,9 @@ class PatchSet:
     unverified: dict = field(default_factory=dict)  # target -> (family or None, why): core targets not verified
     _undo: dict = field(default_factory=dict)  # target -> undo function of the installed patches
     _active: bool = False
-    _hooked: set = field(default_factory=set)
+    _hooked: set = field(default_factory=set)  # modules whose wrapt post-import hook is registered
+    _pending: set = field(default_factory=set)  # modules whose import had not ended when their hook ran
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)  # imports run in any thread
 
     @property
     def active(self) -> bool:
@@ -347,56 +375,88 @@ class PatchSet:
         """(target, why) of each core target that did not verify and that `family` needs (its own, and shared)."""
         return [(t, why) for t, (fam, why) in self.unverified.items() if fam in (None, family)]
 
-    def _install_optional(self, package: str) -> None:
-        for patch in self.patches:
-            if _package(patch) != package or patch.target in self._undo or not applies_here(patch):
-                continue
-            try:
-                patch.check()
-            except PatchTargetError as exc:
-                self.refused[patch.target] = (package, str(exc))
-                warnings.warn(f"vlmcp-patch: {exc}. Context parallelism under {package} is refused.", stacklevel=2)
-                continue
-            self._undo[patch.target] = patch.apply()
-
-    def _when_imported(self, package: str) -> None:
-        if package in self._hooked:
+    def on_module_imported(self, module) -> None:
+        """wrapt's post-import hook of a module holding optional targets (`target_module`), also called by the
+        autowrapt hook for modules whose import had begun before the package arrived: install that module's
+        patches, unless its top-level code is still running in this thread (then when it has finished)."""
+        if not self._active:
             return
-        self._hooked.add(package)
+        if _importing_in_this_thread(module):
+            self._pending.add(module.__name__)
+            return
+        self._settle()
+        self._install_module(module.__name__)
 
-        @wrapt.when_imported(package)
-        def install(_module):
-            if self._active:
-                self._install_optional(package)
+    def _settle(self) -> None:
+        """Install the patches of the modules left pending whose import has ended since."""
+        for name in sorted(self._pending):
+            module = sys.modules.get(name)
+            if module is not None and not _importing_in_this_thread(module):
+                self._pending.discard(name)
+                self._install_module(name)
+
+    def _install_module(self, name: str) -> None:
+        """Check and install the optional patches whose target lives in module `name`, each on its own: one that
+        fails is refused with a warning naming it (`refused`), never raised into the import that triggered this."""
+        importlib.import_module(name)  # waits while another thread still runs its import; this thread's: returns
+        with self._lock:
+            for patch in self.patches:
+                package = _package(patch)
+                if (package is None or target_module(patch.target) != name or patch.target in self._undo
+                        or patch.target in self.refused or not applies_here(patch)):
+                    continue
+                try:
+                    patch.check()
+                    self._undo[patch.target] = patch.apply()
+                except Exception as exc:  # noqa: BLE001 - reported and refused, never raised into an import
+                    why = str(exc) if isinstance(exc, PatchTargetError) else (
+                        f"patch {patch.target} failed to install: {type(exc).__name__}: {exc}")
+                    self.refused[patch.target] = (package, why)
+                    warnings.warn(f"vlmcp-patch: {why}. Context parallelism under {package} is refused.",
+                                  stacklevel=2)
+
+    def _watch(self, name: str) -> None:
+        """Register `on_module_imported` as wrapt's post-import hook of module `name` once (wrapt calls it at once
+        where the module is already in `sys.modules`)."""
+        with self._lock:
+            if name in self._hooked:
+                return
+            self._hooked.add(name)
+        wrapt.register_post_import_hook(self.on_module_imported, name)
 
     def apply(self) -> None:
-        if self._active:
-            return
-        core, now, later = [], set(), set()
-        for patch in self.patches:
-            package = _package(patch)
-            if package is None:
-                core.append(patch)
-            elif package in sys.modules:
-                now.add(package)
-            elif importlib.util.find_spec(package) is not None:
-                later.add(package)
-        self._install(core)
-        self._active = True
-        for package in sorted(now):
-            self._install_optional(package)
-        for package in sorted(later):
-            self._when_imported(package)
+        with self._lock:
+            if self._active:
+                return
+            core, modules = [], set()
+            for patch in self.patches:
+                package = _package(patch)
+                if package is None:
+                    core.append(patch)
+                elif package in sys.modules or importlib.util.find_spec(package) is not None:
+                    modules.add(target_module(patch.target))
+            self._install(core)
+            self._active = True
+        # outside the lock: a hook may wait for another thread's import, whose own hook needs the lock
+        for name in sorted(modules):
+            if name in self._hooked and name in sys.modules:
+                self.on_module_imported(sys.modules[name])  # hooked before (a revert, then apply again)
+            else:
+                self._watch(name)
 
     def revert(self) -> None:
         for target in reversed(list(self._undo)):
             self._undo.pop(target)()
+        self._pending.clear()
         self.refused.clear()
         self.unverified.clear()
         self._active = False
 
     def refusals(self, package: str) -> list[str]:
-        """Why the patches of `package` that did not verify were refused (empty when all installed)."""
+        """Why the patches of `package` that did not verify were refused (empty when all installed). Read before
+        the first step under CP (`require_integration`): the patches of a module whose import had not ended when
+        its hook ran are installed first."""
+        self._settle()
         return [why for pkg, why in self.refused.values() if pkg == package or pkg.startswith(f"{package}.")]
 
     def _why_not_installed(self, patch) -> str | None:
