@@ -124,8 +124,10 @@ def test_stock_ddp_on_two_processes_shards_the_data(once):
 # which stock accelerate refuses for Qwen3.5 (DeltaNet layers) and runs wrongly for Qwen3-VL.
 
 
+# The default tier's ZeRO-3 run is the vision tower's (tests/test_vision_tiles.py); this launch is the slowest of the
+# suite (two ZeRO-3 engines), so it runs with `-m integration`.
 @pytest.mark.parametrize("model,stage,switch", [
-    (VL, 3, "env"), pytest.param(Q35, 3, "sp", marks=INTEGRATION),
+    pytest.param(VL, 3, "env", marks=INTEGRATION), pytest.param(Q35, 3, "sp", marks=INTEGRATION),
     pytest.param(VL, 2, "sp", marks=EXTENDED), pytest.param(Q35, 2, "env", marks=EXTENDED)])
 def test_deepspeed_cp2_equals_p1(model, stage, switch, once):
     pytest.importorskip("deepspeed")
@@ -389,10 +391,10 @@ def test_tiled_mlps_train_like_p1_under_each_wrapper(wrapper, once):
         pytest.importorskip("deepspeed")
     extra, wrapped_by = WRAPPERS[wrapper]
     run = _launch(f"tiles-{wrapper}", 2, 2, VL, extra,
-                  env={"VLMCP_MLP_TILE_TOKENS": "3", "VLMCP_VISION_TILE_PATCHES": "1"})
+                  env={"VLMCP_MLP_TILE_TOKENS": "3", "VLMCP_VISION_TILE_PATCHES": "1", "VLMCP_RECOMPUTE_NORMS": "1"})
     assert run.wrapper == wrapped_by
     assert all(e["cp_mlp_tiles_per_call"] >= 3 for e in run.train), [e.get("cp_mlp_tiles_per_call") for e in run.train]
-    # the RMSNorms recomputed under each wrapper too (`VLMCP_RECOMPUTE_NORMS`, on by default): one row tile each here
+    # the RMSNorms recomputed under each wrapper too (`VLMCP_RECOMPUTE_NORMS=1`): one row tile each here
     assert all(e["cp_norm_tiles_per_call"] >= 1 for e in run.train), [e.get("cp_norm_tiles_per_call") for e in run.train]
     vision_tiles = [e.get("cp_vision_tiles_per_call") for e in run.train]
     # FSDP2 units inside the tower (the newest Accelerate wraps its blocks) gather module by module: untiled. A tower

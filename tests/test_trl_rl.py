@@ -85,9 +85,8 @@ PREFERENCE = {
 }
 
 
-# The default run trains GRPO and DPO; the others run with `-m integration`, these two with `-m extended`
-# (docs/testing.md).
-DEFAULT = {"grpo-qwen3-vl", "dpo-qwen3.5-peft"}
+# The default run trains GRPO; the others run with `-m integration`, these two with `-m extended` (docs/testing.md).
+DEFAULT = {"grpo-qwen3-vl"}
 EXTENDED = {"dpo-qwen3-vl", "dpo-precomputed"}
 INTEGRATION = pytest.mark.integration
 
