@@ -12,6 +12,10 @@ from tests.helpers.harness import run_distributed
 from tests.helpers.offload_cases import (
     LAYOUTS,
     MiB,
+    backward_that_raises,
+    backward_twice,
+    pool_state,
+    two_forwards_one_backward,
     play,
     random_leases,
     training_steps,
@@ -169,3 +173,70 @@ def test_pool_bytes_for_is_tight_and_within_5_percent_at_scale(held):
     assert price >= held and price % MiB == 0
     if held >= 64 * MiB:
         assert price / held <= 1.05
+
+
+# -- out-of-order paths (issue 54): values exact, nothing leaked, nothing reused while held ------------------------------
+
+
+@pytest.fixture(params=[False, True], ids=["non-reentrant", "reentrant"])
+def checkpointed(request):
+    # Qwen3.5: stock Qwen3-VL itself keeps its vision tower's graph alive after a backward that raised (deepstack)
+    return checkpointed_model("qwen3_5", request.param), build_batch(LAYOUTS["qwen3_5"], seed=7)
+
+
+def test_a_backward_that_raises_midway_leaves_the_pool_whole(checkpointed, offloading):
+    model, batch = checkpointed
+    assert backward_that_raises(model, batch) == "stopped midway"
+    counts = HOST_CHECKPOINTS.counts.drain()
+    # it stopped with checkpoints still on the host, the first layer's prefetched and never used
+    assert counts["kept"] == 1 and 0 < counts["restored"] == counts["prefetched"] < counts["offloaded"], counts
+    state = pool_state()
+    assert state["in_use"] == state["held"] == 0 < state["reserved"]
+    # and the pool serves the next step, exactly
+    vlmcp_patch_off_step = _without_offload(model, batch)
+    assert _identical(step(model, batch), vlmcp_patch_off_step)
+    assert pool_state()["reserved"] == state["reserved"]
+
+
+def test_retain_graph_and_a_second_backward(checkpointed, offloading):
+    model, batch = checkpointed
+    _, expected = _without_offload(model, batch)
+    first, second, between = backward_twice(model, batch)
+    assert between["in_use"] > 0  # the retained graph still holds its checkpoints on the host
+    for grads in (first, second):
+        assert grads.keys() == expected.keys() and all(torch.equal(grads[n], expected[n]) for n in grads)
+    counts = HOST_CHECKPOINTS.counts.drain()
+    assert counts["restored"] == 2 * counts["offloaded"] > 0  # each backward copied every checkpoint back
+    assert pool_state()["in_use"] == 0
+
+
+def test_two_forwards_before_one_backward(checkpointed, offloading, reapply):
+    import vlmcp_patch
+
+    model, batch = checkpointed
+    batches = [batch, build_batch(LAYOUTS["qwen3_5"], seed=8)]
+    vlmcp_patch.enable(offload_checkpoints=False)
+    expected = two_forwards_one_backward(model, batches)
+    vlmcp_patch.enable(offload_checkpoints=True)
+    HOST_CHECKPOINTS.counts.drain()
+    assert _identical(two_forwards_one_backward(model, batches), expected)
+    counts = HOST_CHECKPOINTS.counts.drain()
+    # the first graph's last input went to the host when the second forward began: one input kept in all
+    assert counts["kept"] == 1 and counts["offloaded"] == counts["restored"] == 2 * layer_calls(model, batch) - 1
+    assert pool_state()["in_use"] == 0
+
+
+def _without_offload(model, batch):
+    import vlmcp_patch
+
+    vlmcp_patch.enable(offload_checkpoints=False)
+    try:
+        return step(model, batch)
+    finally:
+        vlmcp_patch.enable(offload_checkpoints=True)
+
+
+def _identical(a, b) -> bool:
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    return bool(torch.equal(loss_a, loss_b)) and grads_a.keys() == grads_b.keys() and \
+        all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)

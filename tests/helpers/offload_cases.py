@@ -194,3 +194,78 @@ def random_leases(pool, seed: int, rounds: int = 150) -> None:
     for lease, _ in held:
         pool.give_back(lease)
     pool.check()
+
+
+# -- the paths that free checkpoints out of order (issue 54): the values and the pool's state after each -----------------
+
+
+def grads_of(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def pool_state() -> dict:
+    """The host pool after a path: what it still gives out (0 once the graphs are gone), checked invariants."""
+    import gc
+
+    from vlmcp_patch.offload import HOST_CHECKPOINTS
+
+    gc.collect()  # a freed graph's checkpoints return through their finalizers
+    HOST_CHECKPOINTS.pool.check()
+    return {"in_use": HOST_CHECKPOINTS.pool.in_use, "held": HOST_CHECKPOINTS.pool.held,
+            "reserved": HOST_CHECKPOINTS.pool.reserved}
+
+
+class _StopsBackward(torch.autograd.Function):
+    """The identity forward; its backward raises (a failure midway through a backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("stopped midway")
+
+
+def backward_that_raises(model, batch: dict) -> str:
+    """A backward stopped midway: the first decoder layer's output passes through `_StopsBackward`, so the backward
+    raises after the last layer's backward ran (and prefetched the first one's input) and before the first layer's and
+    the vision blocks'. Returns the error; the graph is gone on return."""
+    layers = model.model.language_model.layers
+
+    def stop_there(_module, _args, output):
+        if isinstance(output, tuple):
+            return (_StopsBackward.apply(output[0]), *output[1:])
+        return _StopsBackward.apply(output)
+
+    hook = layers[0].register_forward_hook(stop_there)
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            return str(exc)
+        return "ran"
+    finally:
+        hook.remove()
+
+
+def backward_twice(model, batch: dict) -> tuple[dict, dict, dict]:
+    """`retain_graph=True` then a second backward of the same graph: the gradients of each, and the pool between."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward(retain_graph=True)
+    first, between = grads_of(model), pool_state()
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return first, grads_of(model), between
+
+
+def two_forwards_one_backward(model, batches: list[dict]) -> tuple[torch.Tensor, dict]:
+    """Two forwards (two graphs, checkpoints of both held at once), then one backward of the sum of their losses."""
+    model.zero_grad(set_to_none=True)
+    losses = [model(**batch).loss for batch in batches]
+    total = losses[0] + losses[1]
+    total.backward()
+    return total.detach(), grads_of(model)
