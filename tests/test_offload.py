@@ -10,6 +10,7 @@ import torch
 from tests.helpers.cases import build_batch
 from tests.helpers.harness import run_distributed
 from tests.helpers.offload_cases import (
+    FOREIGN_CHECKPOINTS,
     LAYOUTS,
     MiB,
     backward_that_raises,
@@ -21,6 +22,7 @@ from tests.helpers.offload_cases import (
     training_steps,
     checkpointed_layers,
     checkpointed_model,
+    foreign_checkpointed_model,
     inputs_between_forward_and_backward,
     layer_calls,
     run_offload_cases,
@@ -240,3 +242,42 @@ def _identical(a, b) -> bool:
     (loss_a, grads_a), (loss_b, grads_b) = a, b
     return bool(torch.equal(loss_a, loss_b)) and grads_a.keys() == grads_b.keys() and \
         all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+# -- checkpointing that is not transformers' own (issue 54): never silent ---------------------------------------------
+
+
+@pytest.mark.parametrize("how", FOREIGN_CHECKPOINTS)
+def test_offload_under_another_checkpointing_is_refused_before_the_layer_computes(how, reapply):
+    """With the switch on, a decoder layer checkpointed by torch's checkpoint_wrapper (FSDP2, Accelerate), a
+    hand-written torch.utils.checkpoint or DeepSpeed's checkpointing raises, naming the supported way, before the layer
+    computes; without the switch the same model trains (the control), and inference with the switch on is untouched."""
+    import vlmcp_patch
+    from vlmcp_patch.errors import UnsupportedSetupError
+
+    model, batch = foreign_checkpointed_model(how), build_batch(LAYOUTS["qwen3_vl"], seed=7)
+    loss, grads = step(model, batch)  # the control: runs without the switch
+    assert grads
+    vlmcp_patch.enable(offload_checkpoints=True)
+    try:
+        with torch.no_grad():
+            model(**batch)
+        calls = []
+        hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in checkpointed_layers(model)
+                 if "Text" in type(m).__name__]
+        with pytest.raises(UnsupportedSetupError, match="gradient_checkpointing_enable") as error:
+            step(model, batch)
+        for hook in hooks:
+            hook.remove()
+    finally:
+        vlmcp_patch.enable(offload_checkpoints=False)
+    assert "VLMCP_OFFLOAD_CHECKPOINTS=1" in str(error.value)
+    assert ("checkpoint_wrapper" if how == "checkpoint_wrapper" else
+            "DeepSpeed" if how == "deepspeed" else "torch.utils.checkpoint") in str(error.value)
+    assert calls == []  # no decoder layer computed
+
+
+def test_transformers_checkpointing_is_not_refused(offloading):
+    model, batch = checkpointed_model("qwen3_vl", reentrant=True), build_batch(LAYOUTS["qwen3_vl"], seed=7)
+    step(model, batch)
+    assert HOST_CHECKPOINTS.counts.drain()["offloaded"] > 0

@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+from .errors import UnsupportedSetupError
 from .patching import cp_size
 from .settings import SETTINGS
 
@@ -419,11 +422,65 @@ def offload_applies(layer: torch.nn.Module) -> bool:
 
 def offloaded_checkpoint_call(wrapped, instance, args, kwargs):
     """The wrapper (wrapt's convention) of a decoder layer's or vision block's `__call__`: its checkpoint's input waits
-    on the host between forward and backward (module docstring); otherwise the call as it was."""
+    on the host between forward and backward (module docstring); otherwise the call as it was. With the switch on, a
+    layer checkpointed by another mechanism is refused here (`foreign_checkpoint_problem`)."""
+    if SETTINGS.offload_checkpoints and instance.training:
+        problem = foreign_checkpoint_problem(instance, args)
+        if problem is not None:
+            raise UnsupportedSetupError(problem)
     if not offload_applies(instance):
         return wrapped(*args, **kwargs)
     with HOST_CHECKPOINTS.offloading(args):
         return wrapped(*args, **kwargs)
+
+
+@functools.cache
+def _foreign_checkpoints(deepspeed_checkpointing) -> dict:
+    """The code objects of the checkpoint functions the switch does not act through, and their names: torch's
+    `checkpoint` (hand-written, or inside torch's `checkpoint_wrapper`, which FSDP2 and Accelerate's
+    `activation_checkpointing` apply), and DeepSpeed's (`deepspeed_checkpointing`: its module, once imported)."""
+    import inspect
+
+    import torch.utils.checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    codes = {
+        CheckpointWrapper.forward.__code__: "torch's checkpoint_wrapper (FSDP2's or Accelerate's "
+                                            "activation_checkpointing, apply_activation_checkpointing)",
+        inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__: "torch.utils.checkpoint.checkpoint",
+    }
+    for name in ("checkpoint", "non_reentrant_checkpoint"):
+        fn = getattr(deepspeed_checkpointing, name, None)
+        if fn is not None:
+            codes[inspect.unwrap(fn).__code__] = f"DeepSpeed's activation checkpointing (deepspeed.checkpointing.{name})"
+    return codes
+
+
+def foreign_checkpoint_problem(layer: torch.nn.Module, args: tuple) -> str | None:
+    """With `VLMCP_OFFLOAD_CHECKPOINTS`: a checkpointable layer called, in a training forward, inside a checkpoint that
+    is not transformers' own (`gradient_checkpointing_enable`), whose hooks the switch acts through. Its checkpoint
+    would stay on the device, the switch silently doing nothing: refused at the first such layer, on every rank (each
+    calls the same layers), before its compute. A reentrant checkpoint runs its function without gradients, so its
+    inputs requiring one tell a training forward from an inference one."""
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() or any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+        return None
+    codes = _foreign_checkpoints(sys.modules.get("deepspeed.runtime.activation_checkpointing.checkpointing"))
+    found, frame = [], sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            found.append(codes[frame.f_code])
+        frame = frame.f_back
+    if not found:
+        return None
+    found = next((name for name in found if "checkpoint_wrapper" in name), found[0])  # the wrapper over its checkpoint
+    return (
+        f"VLMCP_OFFLOAD_CHECKPOINTS=1 keeps on the host the checkpoints of transformers' own gradient checkpointing, "
+        f"but this {type(layer).__name__} is checkpointed by {found}: its checkpoint would stay on the device and the "
+        "switch would do nothing. Checkpoint through transformers instead: model.gradient_checkpointing_enable() (the "
+        "Trainer's gradient_checkpointing=True; with Accelerate's FSDP2 plugin, activation_checkpointing=False), or "
+        "unset VLMCP_OFFLOAD_CHECKPOINTS."
+    )
 
 
 def _saves_on_cpu(fn) -> bool:

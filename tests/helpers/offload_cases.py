@@ -269,3 +269,43 @@ def two_forwards_one_backward(model, batches: list[dict]) -> tuple[torch.Tensor,
     total = losses[0] + losses[1]
     total.backward()
     return total.detach(), grads_of(model)
+
+
+# -- checkpointing that is not transformers' own (issue 54): refused with the switch on -------------------------------
+
+
+class HandCheckpointed(torch.nn.Module):
+    """A decoder layer checkpointed by hand: `checkpoint(layer, hidden_states, ...)`, torch's or DeepSpeed's."""
+
+    def __init__(self, layer: torch.nn.Module, how: str):
+        super().__init__()
+        self.layer, self.how = layer, how
+
+    def forward(self, hidden_states, **kwargs):
+        import functools
+
+        call = functools.partial(self.layer, **kwargs)
+        if self.how == "deepspeed":
+            import deepspeed
+
+            return deepspeed.checkpointing.checkpoint(call, hidden_states)
+        return torch.utils.checkpoint.checkpoint(call, hidden_states, use_reentrant=self.how == "torch reentrant")
+
+
+FOREIGN_CHECKPOINTS = ("checkpoint_wrapper", "torch reentrant", "torch non-reentrant", "deepspeed")
+
+
+def foreign_checkpointed_model(how: str):
+    """The tiny Qwen3-VL with transformers' checkpointing off and its decoder layers checkpointed by `how`: torch's
+    `checkpoint_wrapper` (as FSDP2 / Accelerate's `activation_checkpointing` apply it), a hand-written
+    `torch.utils.checkpoint` (reentrant or not), or DeepSpeed's `deepspeed.checkpointing.checkpoint`."""
+    model = build_model(CONFIGS["qwen3_vl"](), seed=1)
+    layers = model.model.language_model.layers
+    for i, layer in enumerate(layers):
+        if how == "checkpoint_wrapper":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            layers[i] = checkpoint_wrapper(layer)
+        else:
+            layers[i] = HandCheckpointed(layer, how)
+    return model.train()
