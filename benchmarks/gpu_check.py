@@ -32,7 +32,14 @@ Sections (each prints its numbers; record them in docs/testing.md ("GPU check") 
 10. the recomputed RMSNorms (`tiles.recomputed_norm_forward`): a Qwen3-VL-8B-sized norm over a long slice — the bytes
    it keeps for backward, its step time and gradients, stock against recomputed in row tiles;
 11. the fused LM head (`loss.head_loss_sum`): Qwen3-VL-8B's head and its loss over one slice, stock against fused —
-   step time, device peak, gradients.
+   step time, device peak, gradients;
+12. by-need choice at a real `mem_get_info` (`by_need.py`): the room a rank reads, 1 GiB held taken off it, and what
+   one rank of 8 of this GPU would switch on for Qwen3-VL-8B video rows of 0.5M-4M tokens;
+13. the offload's host pool and its out-of-order paths (`offload.py`): the pinned bytes torch's host allocator really
+   holds for a step's checkpoints (decoder layers and vision blocks of sizes that are not powers of two) against the
+   bytes held, beside one pinned buffer per checkpoint; then a backward that raises midway, `retain_graph` with a
+   second backward, and two forwards before one backward, each with offload against without (the same bits), the
+   pool whole after each.
 """
 
 from __future__ import annotations
@@ -505,6 +512,143 @@ def fused_head(setup: Setup) -> None:
               f"{rel_err(gx_ours, gx_stock):.2e}, weight gradient {rel_err(gw_ours, gw_stock):.2e}")
 
 
+def by_need_choice(setup: Setup) -> None:
+    """Section 12: the choice by need (`vlmcp_patch/by_need.py`) at a real `torch.cuda.mem_get_info`: the room a rank
+    reads with a model loaded, that 1 GiB held takes 1 GiB off it and comes back once freed (the allocator's unused
+    cache counted as room), and what this GPU, as one rank of a node of 8, would choose for Qwen3-VL-8B video rows
+    (ZeRO-3, checkpointing, checkpoints offloaded): each row's switches and predicted peak beside the room left after
+    the weights, gradients and optimizer's share, or the refusal. The dry run stands a 141 GiB budget for the device."""
+    from vlmcp_patch import by_need
+    from vlmcp_patch.errors import UnsupportedSetupError
+    from vlmcp_patch.planning import model_dims, static_memory
+
+    gib = 2**30
+    if setup.dry_run:
+        vlmcp_patch.enable(device_memory_gib=141)
+    try:
+        model = setup.model("qwen3-vl")
+        model.train()
+        room = by_need.local_room(model, setup.device)
+        held = torch.empty(gib, dtype=torch.uint8, device=setup.device)
+        holding = by_need.local_room(model, setup.device)
+        del held
+        freed = by_need.local_room(model, setup.device)
+        drop = (room - holding) / gib
+        setup.say(f"  room with the test model loaded {room / gib:.2f} GiB; holding 1 GiB {holding / gib:.2f} "
+                  f"(drop {drop:.3f} GiB{'' if setup.dry_run else ', goal 1.000'}); freed again {freed / gib:.2f}")
+        dims = model_dims("qwen3-vl-8b")
+        base = Training(sharding="zero3", gradient_checkpointing=True, offload_checkpoints=True, tiled_mlp=False,
+                        tiled_vision=False, recompute_norms=False)
+        del model
+        device_room = by_need.local_room(torch.nn.Linear(1, 1, device=setup.device), setup.device)
+        left = device_room - sum(static_memory(dims, base, 8))
+        setup.say(f"  one rank of 8, Qwen3-VL-8B: {device_room / gib:.2f} GiB room, {left / gib:.2f} GiB after the "
+                  "weights, gradients and optimizer's share")
+        for tokens in (2**19, 2**20, 2**21, 2**22):
+            row = Row.video(tokens)
+            try:
+                switches, peak, why = by_need.choose(dims, row, base, 8, package_ulysses(dims, 8, 8), left)
+                on = ", ".join(by_need.LABELS[n] for n in switches.on()) or "none"
+                setup.say(f"  {tokens:>9,} tokens: switches {on}; predicted {peak / gib:.2f} GiB ({why})")
+            except UnsupportedSetupError as refusal:
+                setup.say(f"  {tokens:>9,} tokens: refused: {str(refusal)[:240]}...")
+    finally:
+        vlmcp_patch.enable(device_memory_gib=0)
+
+
+def _pinned_bytes(setup: Setup) -> int | None:
+    """The bytes torch's caching host allocator holds (pinned blocks, as rounded), or None without CUDA."""
+    if setup.device.type != "cuda":
+        return None
+    torch.cuda.synchronize(setup.device)
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
+def host_pool_and_paths(setup: Setup) -> None:
+    """Section 13: (a) a step's checkpoints taken from a fresh pool (36 decoder layers and 24 vision blocks whose sizes
+    are not powers of two), pinned on a GPU: the allocator's bytes against the bytes held, and against one pinned
+    buffer per checkpoint (the control: what the allocator's power-of-two rounding costs); (b) the three paths that
+    free checkpoints out of order, on this device, each against the same path without offload."""
+    from tests.helpers.offload_cases import (
+        backward_that_raises,
+        backward_twice,
+        grads_of,
+        pool_state,
+        two_forwards_one_backward,
+    )
+    from vlmcp_patch.offload import HOST_CHECKPOINTS, HostPool, pool_bytes_for
+
+    setup.say("== 13. offload: the host pool's real bytes, and the paths that free checkpoints out of order")
+    scale = 64 if setup.dry_run else 1
+    sizes = [24 * 37 * 2**20 // 24 // scale + 4096] * 24 + [151 * 2**20 // scale + 4096] * 35
+    pinned = setup.device.type == "cuda"
+    before = _pinned_bytes(setup)
+    pool, start = HostPool(), time.perf_counter()
+    for _ in range(2):  # two steps: the second allocates nothing
+        leases = [pool.take(n, pinned) for n in sizes]
+        for lease in reversed(leases):
+            pool.give_back(lease)
+    seconds = time.perf_counter() - start
+    pool.check()
+    held = pool.peak_held
+    real = pool.reserved if before is None else _pinned_bytes(setup) - before
+    setup.say(f"  {len(sizes)} checkpoints, {held / 2**30:.3f} GiB held: the pool {pool.reserved / 2**30:.3f} GiB in "
+              f"{len(pool.slabs)} slabs, {'pinned by torch' if pinned else 'dry run, unpinned: the pool count'} "
+              f"{real / 2**30:.3f} GiB: ratio {real / held:.4f} (goal <= 1.05; priced {pool_bytes_for(held) / held:.4f}"
+              f"); {seconds:.2f} s to allocate")
+    del leases, pool
+    if pinned:
+        before = _pinned_bytes(setup)
+        buffers = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes[-8:]]
+        per_buffer = _pinned_bytes(setup) - before
+        setup.say(f"  control, one pinned buffer per checkpoint: {per_buffer / sum(sizes[-8:]):.4f} x the bytes held")
+        del buffers
+        torch.accelerator.empty_host_cache()
+
+    tokens = 256 if setup.dry_run else 8192
+    model = setup.model("qwen3-vl") if setup.dry_run else build_model(
+        MODELS["qwen3-vl"](layers=6, vision_depth=2), seed=0, dtype=setup.dtype).to(setup.device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    rows = []
+    for seed in (0, 1):  # text rows: stock Qwen3-VL keeps its vision graph alive after a backward that raised
+        row, _ = make_packed_batch([[S(text=tokens // 2)], [S(text=tokens - tokens // 2)]], seed=seed)
+        rows.append({k: v.to(setup.device) if torch.is_tensor(v) else v for k, v in row.items()})
+
+    def same(a, b) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    def one_step():
+        model.zero_grad(set_to_none=True)
+        loss = model(**rows[0]).loss
+        loss.backward()
+        return {"loss": loss.detach(), **grads_of(model)}
+
+    def paths(offload: bool) -> dict:
+        vlmcp_patch.enable(cp_size=1, offload_checkpoints=offload)
+        out = {"raised": backward_that_raises(model, rows[0]), "raised pool": pool_state(), "next": one_step()}
+        first, second, _ = backward_twice(model, rows[0])
+        out.update({"retain first": first, "retain second": second, "retain pool": pool_state()})
+        total, grads = two_forwards_one_backward(model, rows)
+        out.update({"two": {"loss": total, **grads}, "two pool": pool_state()})
+        return out
+
+    try:
+        without, control, with_ = paths(False), paths(False), paths(True)
+    finally:
+        vlmcp_patch.enable(offload_checkpoints=False)
+        model.gradient_checkpointing_disable()
+    for name, key in (("a backward that raises midway, then a step", "next"),
+                      ("retain_graph: first backward", "retain first"), ("retain_graph: second backward",
+                                                                          "retain second"),
+                      ("two forwards, one backward", "two")):
+        setup.say(f"  {name}: with offload against without: same bits {same(with_[key], without[key])} "
+                  f"(control, without against without: same bits {same(control[key], without[key])})")
+    left = {k: with_[k]["in_use"] for k in ("raised pool", "retain pool", "two pool")}
+    setup.say(f"  raised: {with_['raised']!r}; pool bytes still given out after each path: {left}; host pool "
+              f"{HOST_CHECKPOINTS.pool.reserved / 2**20:.1f} MiB")
+
+
 def run_section(setup: Setup, number: int, section, *args) -> bool:
     """Run one section; in one process a failure prints its traceback and returns False, so the sections after it
     still run. Under torchrun it raises: a rank that went on would issue the next section's collectives while its
@@ -550,7 +694,8 @@ def main() -> None:
         (6, plan_rates, ()),
         (7, nccl_stall, ()) if not args.dry_run and setup.rank == 0 else None,
         # one process: these sections measure one rank's step
-        *([(8, checkpoint_offload, ()), (9, tiled_mlp, ()), (10, recomputed_norm, ()), (11, fused_head, ())]
+        *([(8, checkpoint_offload, ()), (9, tiled_mlp, ()), (10, recomputed_norm, ()), (11, fused_head, ()),
+           (12, by_need_choice, ()), (13, host_pool_and_paths, ())]
           if setup.rank == 0 and not several else []),
     ]
     wanted = {int(n) for n in args.sections.split(",") if n.strip()}

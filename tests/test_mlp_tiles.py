@@ -39,8 +39,9 @@ def test_tiled_mlps_equal_stock(cp_size, once):
 
 
 def test_cp_off_is_stock_bit_for_bit(reapply):
-    """With CP off (P=1) a small tile changes nothing: no tile runs, the loss and every gradient equal stock's bit
-    for bit."""
+    """With CP off (P=1) and the default settings, a budget nothing fits changes nothing (the choice by need acts under
+    CP only): no tile runs, the loss and every gradient equal stock's bit for bit. Explicit tiles at P=1:
+    `test_by_need.py`."""
     import vlmcp_patch
     from tests.helpers.tile_cases import _model_and_batch
 
@@ -48,13 +49,13 @@ def test_cp_off_is_stock_bit_for_bit(reapply):
     vlmcp_patch.revert()
     ref_loss, ref_grads = stock_step(model, batch)
     vlmcp_patch.apply()
-    vlmcp_patch.enable(cp_size=1, mlp_tile_tokens=2)
+    vlmcp_patch.enable(cp_size=1, device_memory_gib=1e-9)
     TILES.drain()
     NORMS.drain()
     try:
         loss, grads = stock_step(model, batch)
     finally:
-        vlmcp_patch.enable(mlp_tile_tokens="auto")
+        vlmcp_patch.enable(device_memory_gib=0)
     assert TILES.drain()["calls"] == 0 and NORMS.drain()["calls"] == 0
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)

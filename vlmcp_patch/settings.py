@@ -8,11 +8,13 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_CP_SIZE` | `cp_size` | 1 | ranks per CP group (1: CP off) |
 | `VLMCP_GATHER_LOGITS` | `gather_logits_with_labels` | off | forwards with labels also return the full logits |
 | `VLMCP_VISION_DP` | `vision_dp` | on | under CP, each rank encodes only its share of the images |
+| `VLMCP_HOST_PIXEL_SHARES` | `host_pixel_shares` | on | under CP, each rank's data loader keeps only its share of the pixel values (`host_pixels.py`) |
 | `VLMCP_MATCH_VISION_PASSES` | `match_vision_passes` | CP only | placeholder vision passes, replicas without images |
-| `VLMCP_LOSS_CHUNK` | `loss_chunk_tokens` | auto | tokens per chunk of the chunked LM head + loss under CP |
-| `VLMCP_MLP_TILE_TOKENS` | `mlp_tile_tokens` | auto | tokens per tile of the MLPs under CP (`tiles.py`; 0: off) |
-| `VLMCP_RECOMPUTE_NORMS` | `recompute_norms` | on | under CP the RMSNorms keep their input only (`tiles.py`) |
-| `VLMCP_VISION_TILE_PATCHES` | `vision_tile_patches` | auto | patches per tile of the vision tower under CP (`vision_tiles.py`; 0: off) |
+| `VLMCP_LOSS_CHUNK` | `loss_chunk_tokens` | auto | tokens per chunk of the chunked LM head + loss under CP (auto: by need) |
+| `VLMCP_MLP_TILE_TOKENS` | `mlp_tile_tokens` | auto | tokens per tile of the MLPs (`tiles.py`; auto: by need under CP; on: always, sized automatically; 0: off) |
+| `VLMCP_RECOMPUTE_NORMS` | `recompute_norms` | auto | the RMSNorms keep their input only (`tiles.py`; auto: by need under CP; 1 / 0) |
+| `VLMCP_VISION_TILE_PATCHES` | `vision_tile_patches` | auto | patches per tile of the vision tower under CP (`vision_tiles.py`; auto: by need; on; 0: off) |
+| `VLMCP_DEVICE_MEMORY_GIB` | `device_memory_gib` | the device's | GiB a rank's step may use, for the choice by need (`by_need.py`; on CPU: none, no limit) |
 | `VLMCP_OFFLOAD_CHECKPOINTS` | `offload_checkpoints` | off | the layers' checkpoints kept on the host (`offload.py`) |
 | `VLMCP_SPLIT_ROLLOUTS` | `split_rollouts` | off | TRL's RL rollouts: each rank of a CP group generates its share |
 | `VLMCP_ULYSSES_SIZE` | `ulysses_size` | auto | U of P = U x R: ranks per all-to-all subgroup, in a node |
@@ -30,7 +32,8 @@ from dataclasses import dataclass
 
 from .errors import UnsupportedSetupError
 
-AUTO = "auto"  # a size the package chooses itself
+AUTO = "auto"  # a switch the package turns on by need under CP, sized by its own rule (`by_need.py`)
+ON = "on"  # a switch on whatever the need, sized by the package's own rule
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -53,16 +56,19 @@ def env_float(name: str, default: float) -> float:
 
 
 def env_tokens(name: str, default: int | str = AUTO) -> int | str:
-    """A token count from the environment, or `AUTO` (unset, or the word "auto")."""
-    if os.environ.get(name, "").strip().lower() == AUTO:
-        return AUTO
+    """A token count from the environment, `AUTO` (unset, or the word "auto") or `ON` (the word "on")."""
+    word = os.environ.get(name, "").strip().lower()
+    if word in (AUTO, ON):
+        return word
     return _env_number(name, default, int, "a number of tokens (or auto)", "4096")
 
 
-def env_flag(name: str, default: bool | None = False) -> bool | None:
+def env_flag(name: str, default: bool | str | None = False) -> bool | str | None:
     raw = os.environ.get(name, "").strip().lower()
     if not raw:
         return default
+    if raw == AUTO and default == AUTO:
+        return AUTO
     if raw in _TRUE:
         return True
     if raw in _FALSE:
@@ -75,9 +81,14 @@ class Settings:
     cp_size: int = 1
     gather_logits_with_labels: bool = False
     vision_dp: bool = True
+    # Under CP, the integrations cut each batch's pixel values to this rank's share by items on the host, before the
+    # forward (`forward/host_pixels.py`); off: every rank keeps the whole batch's.
+    host_pixel_shares: bool = True
     # None: placeholder vision passes under CP only; True: at P=1 too; False: never.
     match_vision_passes: bool | None = None
-    loss_chunk_tokens: int = 0  # 0: sized automatically (loss.chunk_tokens: fp32 logits ~32x the slice's hidden states)
+    # 0: by need (`by_need.py`): the automatic size (loss.chunk_tokens: fp32 logits ~32x the slice's hidden states),
+    # or under CP a smaller chunk where the row needs it
+    loss_chunk_tokens: int = 0
     # TRL's RL rollouts under CP: each rank generates its share of the group's prompts (faster, other draws).
     split_rollouts: bool = False
     # U of the P = U x R layout (0: chosen by layout.ulysses_degree, the subgroups inside a node); checked against the
@@ -92,20 +103,27 @@ class Settings:
     # A ring's passes run behind the compute of its blocks (off: each pass waits where it starts, the schedule before
     # the overlap, which benchmarks/ring_overlap.py compares). Read by each ring attention call.
     ring_overlap: bool = True
-    # Tokens per tile of the decoder and vision MLPs under CP (`tiles.py`): AUTO sizes them from the slice and the
-    # MLP's widths (`tiles.tile_tokens`); 0 runs them untiled. Exact either way; CP off never tiles.
+    # Tokens per tile of the decoder and vision MLPs (`tiles.py`): AUTO turns them on under CP when the row needs it
+    # (`by_need.py`) and ON always, both sized from the slice and the MLP's widths (`tiles.tile_tokens`); N tiles of
+    # N tokens, at P=1 too; 0 runs them untiled. Exact either way; the P=1 default never tiles.
     mlp_tile_tokens: int | str = AUTO
-    # Under CP the decoder's RMSNorms keep only their input for backward and are recomputed there (`tiles.py`): the
-    # fp32 copies transformers' norms keep are most of a bf16 layer's working set after the MLP's. Exact either way.
-    recompute_norms: bool = True
+    # The decoder's RMSNorms keep only their input for backward and are recomputed there (`tiles.py`): the fp32
+    # copies transformers' norms keep are most of a bf16 layer's working set after the MLP's. AUTO: under CP when
+    # the row needs it (`by_need.py`); True: always, at P=1 too; False: never. Exact either way.
+    recompute_norms: bool | str = AUTO
     # Patches per tile of the vision tower under CP, by items (`vision_tiles.py`): the rank's images and temporal
     # patch groups run through the whole tower in tiles of whole groups, only the merged and deepstack features kept,
     # each tile recomputed in backward. AUTO sizes them from the rank's patches and the tower's widths
-    # (`vision_tiles.tile_patches`); 0 runs the tower untiled. Exact either way; CP off never tiles.
+    # (`vision_tiles.tile_patches`); 0 runs the tower untiled. AUTO: when the row needs it (`by_need.py`); ON or N:
+    # always. Exact either way; CP off never tiles.
     vision_tile_patches: int | str = AUTO
     # Under CP and P=1 alike: the inputs gradient checkpointing saves for each decoder layer and vision block wait in
     # host memory between forward and backward (`offload.py`). Exact: the same values come back.
     offload_checkpoints: bool = False
+    # GiB of device memory a rank's step may use beyond what is allocated at its first CP forward, for the choice by
+    # need (`by_need.py`): 0 reads the device (`torch.cuda.mem_get_info`); on a CPU, 0 sets no limit (nothing is
+    # switched on by need), a number stands for a device of that much free memory (the tests drive the choice so).
+    device_memory_gib: float = 0
 
     def validate(self) -> None:
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
@@ -119,12 +137,18 @@ class Settings:
                 f"ulysses_size must be a positive integer (0: automatic), got {self.ulysses_size!r}")
         for name in ("mlp_tile_tokens", "vision_tile_patches"):
             tile = getattr(self, name)
-            if tile != AUTO and (not isinstance(tile, int) or isinstance(tile, bool) or tile < 0):
+            if tile not in (AUTO, ON) and (not isinstance(tile, int) or isinstance(tile, bool) or tile < 0):
                 raise UnsupportedSetupError(
-                    f"{name} must be a non-negative integer (0: untiled) or {AUTO!r}, got {tile!r}")
-        for name in ("offload_checkpoints", "recompute_norms"):
-            if not isinstance(getattr(self, name), bool):
-                raise UnsupportedSetupError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                    f"{name} must be a non-negative integer (0: untiled), {AUTO!r} or {ON!r}, got {tile!r}")
+        if not isinstance(self.offload_checkpoints, bool):
+            raise UnsupportedSetupError(f"offload_checkpoints must be True or False, got {self.offload_checkpoints!r}")
+        if self.recompute_norms != AUTO and not isinstance(self.recompute_norms, bool):
+            raise UnsupportedSetupError(
+                f"recompute_norms must be True, False or {AUTO!r}, got {self.recompute_norms!r}")
+        memory = self.device_memory_gib
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory < 0:
+            raise UnsupportedSetupError(
+                f"device_memory_gib must be a number of GiB >= 0 (0: the device's), got {memory!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout < 0:
             raise UnsupportedSetupError(f"timeout must be a number of seconds >= 0, got {self.timeout!r}")
 
@@ -134,6 +158,7 @@ def _from_environment() -> Settings:
         cp_size=env_int("VLMCP_CP_SIZE", 1),
         gather_logits_with_labels=env_flag("VLMCP_GATHER_LOGITS"),
         vision_dp=env_flag("VLMCP_VISION_DP", True),
+        host_pixel_shares=env_flag("VLMCP_HOST_PIXEL_SHARES", True),
         match_vision_passes=env_flag("VLMCP_MATCH_VISION_PASSES", None),
         loss_chunk_tokens=env_int("VLMCP_LOSS_CHUNK", 0),
         split_rollouts=env_flag("VLMCP_SPLIT_ROLLOUTS"),
@@ -142,9 +167,10 @@ def _from_environment() -> Settings:
         debug_collectives=env_flag("VLMCP_DEBUG_COLLECTIVES"),
         ring_overlap=env_flag("VLMCP_RING_OVERLAP", True),
         mlp_tile_tokens=env_tokens("VLMCP_MLP_TILE_TOKENS"),
-        recompute_norms=env_flag("VLMCP_RECOMPUTE_NORMS", True),
+        recompute_norms=env_flag("VLMCP_RECOMPUTE_NORMS", AUTO),
         vision_tile_patches=env_tokens("VLMCP_VISION_TILE_PATCHES"),
         offload_checkpoints=env_flag("VLMCP_OFFLOAD_CHECKPOINTS"),
+        device_memory_gib=env_float("VLMCP_DEVICE_MEMORY_GIB", 0),
     )
     settings.validate()
     return settings
@@ -158,6 +184,7 @@ def enable(
     *,
     gather_logits_with_labels: bool | None = None,
     vision_dp: bool | None = None,
+    host_pixel_shares: bool | None = None,
     match_vision_passes: bool | None = None,
     loss_chunk_tokens: int | None = None,
     split_rollouts: bool | None = None,
@@ -166,9 +193,10 @@ def enable(
     debug_collectives: bool | None = None,
     ring_overlap: bool | None = None,
     mlp_tile_tokens: int | str | None = None,
-    recompute_norms: bool | None = None,
+    recompute_norms: bool | str | None = None,
     vision_tile_patches: int | str | None = None,
     offload_checkpoints: bool | None = None,
+    device_memory_gib: float | None = None,
 ) -> Settings:
     """Change the settings for every following forward; arguments left out keep their value.
 
@@ -178,6 +206,7 @@ def enable(
         "cp_size": cp_size,
         "gather_logits_with_labels": gather_logits_with_labels,
         "vision_dp": vision_dp,
+        "host_pixel_shares": host_pixel_shares,
         "match_vision_passes": match_vision_passes,
         "loss_chunk_tokens": loss_chunk_tokens,
         "split_rollouts": split_rollouts,
@@ -189,6 +218,7 @@ def enable(
         "recompute_norms": recompute_norms,
         "vision_tile_patches": vision_tile_patches,
         "offload_checkpoints": offload_checkpoints,
+        "device_memory_gib": device_memory_gib,
     }
     new = dataclasses.replace(SETTINGS, **{k: v for k, v in given.items() if v is not None})
     new.validate()

@@ -264,14 +264,19 @@ def _sharded_per_module(tower: torch.nn.Module) -> bool:
 def tiling_applies(tower: torch.nn.Module) -> bool:
     """Whether the tower runs in tiles now: under CP, tiling not turned off, not while torch.compile traces, its
     parameters not gathered per module (module docstring)."""
-    return (cp_size() > 1 and SETTINGS.vision_tile_patches != 0 and not torch.compiler.is_compiling()
+    from .by_need import vision_tiles_on  # set, or chosen by need under CP
+
+    return (cp_size() > 1 and vision_tiles_on() and not torch.compiler.is_compiling()
             and not _sharded_per_module(tower))
 
 
 def _tiles_of(config, units: Sequence[tuple[int, int, int]]) -> list[Tile]:
     """The tiles of a share whose units are `units` [(frames, height, width)], by the automatic or configured size."""
+    from .by_need import size_setting  # "on" sizes like "auto"
+
     patches = sum(t * h * w for t, h, w in units)
-    budget = tile_patches(patches, vision_work_per_patch(config), kept_per_patch(config), SETTINGS.vision_tile_patches)
+    budget = tile_patches(patches, vision_work_per_patch(config), kept_per_patch(config),
+                          size_setting(SETTINGS.vision_tile_patches))
     return plan_tiles(units, budget, config.spatial_merge_size**2)
 
 

@@ -47,14 +47,14 @@ def _count_accumulations(model) -> dict:
 
 def run_tile_cases(rank: int, world_size: int) -> dict:
     """Parity metrics (`parity.compare`) of each case of `CASES[world_size]` with `mlp_tile_tokens=TILE`, with the
-    tiles the CP step ran, the RMSNorm calls it recomputed (`tiles.recomputed_norm_forward`, on by default) and how
+    tiles the CP step ran, the RMSNorm calls it recomputed (`tiles.recomputed_norm_forward`, set on here) and how
     often each parameter's gradient was accumulated (stock's backward and CP's)."""
     import vlmcp_patch
     from tests.helpers.parity import compare
     from vlmcp_patch.tiles import NORMS, TILES
 
     results = {}
-    vlmcp_patch.enable(mlp_tile_tokens=TILE)
+    vlmcp_patch.enable(mlp_tile_tokens=TILE, recompute_norms=True)  # set: by need they would stay off here
     try:
         for family, case in CASES[world_size]:
             model, batch = _model_and_batch(family, case)
@@ -67,7 +67,7 @@ def run_tile_cases(rank: int, world_size: int) -> dict:
             metrics["accumulations"] = sorted(set(counts.values()))
             results[f"{family} {case}"] = metrics
     finally:
-        vlmcp_patch.enable(mlp_tile_tokens="auto")
+        vlmcp_patch.enable(mlp_tile_tokens="auto", recompute_norms="auto")
     return results
 
 

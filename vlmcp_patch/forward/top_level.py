@@ -29,6 +29,7 @@ import typing
 import torch
 from transformers.utils import ModelOutput
 
+from ..by_need import choose_switches, loss_chunk_tokens
 from ..context import CPContext
 from ..distributed import active_cp_group
 from ..grad_shares import cp_forward_started
@@ -68,6 +69,7 @@ def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | Non
     agree(plan, call, model)  # a refusal raises here, on every rank of the group
     ctx = lay_out(call, plan)
     ctx.groups  # the ring's process groups, created on every rank now (collective), before any compute
+    choose_switches(model, call, ctx)  # the memory switches this row needs, agreed by the group (one all-reduce)
     cut_to_slice(model, call, ctx)
     cp_forward_started(model)
     STATS.record(ctx)
@@ -111,7 +113,7 @@ def token_log_probs_of_slice(instance, ctx: CPContext, hidden: torch.Tensor, shi
     local = ctx.shard(shift_labels.to(hidden.device), dim=1, value=IGNORE_INDEX).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     log_probs, entropy = token_log_probs_and_entropy(flat, instance.lm_head, local, temperature,
-                                                     SETTINGS.loss_chunk_tokens)
+                                                     loss_chunk_tokens())
     return TokenLogProbsOutput(**{name: ctx.to_caller(ctx.gather(x[None], dim=1))
                                   for name, x in (("log_probs", log_probs), ("entropy", entropy))})
 
@@ -141,7 +143,7 @@ def cp_top_level_forward(wrapped, instance, args, kwargs):
     fields = {}
     if shift_labels is not None:
         fields["loss"] = sharded_causal_lm_loss(
-            hidden, instance.lm_head, ctx, shift_labels, num_items_in_batch, SETTINGS.loss_chunk_tokens
+            hidden, instance.lm_head, ctx, shift_labels, num_items_in_batch, loss_chunk_tokens()
         )
     if shift_labels is None or full_logits_requested() or not return_dict:  # a tuple keeps stock's positions
         fields["logits"] = ctx.to_caller(ctx.gather(instance.lm_head(hidden), dim=1))

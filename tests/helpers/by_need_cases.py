@@ -1,0 +1,127 @@
+"""The switches chosen by need (`vlmcp_patch/by_need.py`), run inside the spawned ranks: a row of the memory benchmark's
+model (Qwen3-VL's proportions, widths / 16, gradient checkpointing) at budgets set from the plan's own prices, each
+step's choice, its log lines and its measured device peak."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+GIB = 2**30
+TOKENS, LAYERS = 8192, 2  # an image-heavy row whose switches change its predicted peak by more than half
+
+
+class Lines(logging.Handler):
+    """The records of the package's logger."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def model_and_row(tokens: int = TOKENS, layers: int = LAYERS):
+    """The memory benchmark's model and image-heavy row (`benchmarks.memory`), checkpointing on."""
+    from benchmarks.common import build_benchmark_model
+    from benchmarks.memory import row_of
+
+    torch.manual_seed(0)
+    model = build_benchmark_model("qwen3-vl", layers=layers, scale=16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model, row_of("image-heavy", tokens, model.config.vision_config.patch_size)
+
+
+def prices(model, batch: dict, size: int) -> dict:
+    """The plan's predicted peak of each allowed set of switches for this row at P=`size` (bytes), and the gradients
+    still to come: what `by_need.choose_switches` prices."""
+    from vlmcp_patch import by_need
+    from vlmcp_patch.planning import dims_from_config, package_ulysses
+
+    dims = dims_from_config(model.config)
+    tokens = batch["input_ids"].shape[1]
+    row = by_need.row_of_call(batch, tokens, [(0, tokens)], dims.merge)
+    base = by_need.training_of(model, by_need.Switches())
+    sets = {tuple(s.on()): by_need.predicted_peak(dims, row, by_need._with(base, s), size, package_ulysses(dims, size))
+            for s in by_need.candidates()}
+    pending = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return {"sets": sets, "pending": pending}
+
+
+def budget_for(room: float, pending: float) -> float:
+    """GiB of `VLMCP_DEVICE_MEMORY_GIB` that leave `room` bytes to the step (`by_need.local_room` on a CPU)."""
+    from vlmcp_patch.by_need import margin
+
+    return (room + pending) / (1 - margin()) / GIB
+
+
+def rooms(priced: dict) -> dict[str, float]:
+    """The room of each named budget: roomy (every set fits), medium (some set but not the untiled one), tight (only
+    the smallest peaks), refused (none)."""
+    untiled, least = priced["sets"][()], min(priced["sets"].values())
+    return {"roomy": 1.25 * untiled, "medium": (untiled + least) / 2, "tight": 1.02 * least, "refused": 0.9 * least}
+
+
+def measured_step(model, batch: dict, world_size: int) -> dict:
+    """One forward + backward: its loss and its device peak as the memory benchmark counts it (`benchmarks.memory`:
+    every storage created in the step, the parameter gradients included here, plus the batch's integer tensors the
+    host loop leaves on the device; the pixels' share copied in the step)."""
+    from benchmarks.common import LiveBytes
+    from benchmarks.memory import HostPixels, batch_device_bytes
+
+    model.zero_grad(set_to_none=True)
+    inputs = [v for v in batch.values() if torch.is_tensor(v)]
+    live = LiveBytes([*model.parameters(), *model.buffers(), *inputs])
+    start = time.perf_counter()
+    with live, HostPixels(batch):
+        loss = model(**batch).loss
+        loss.backward()
+    seconds = time.perf_counter() - start
+    return {"loss": float(loss), "peak": live.peak() + batch_device_bytes(batch, world_size, "host"),
+            "seconds": seconds}
+
+
+def budgets(rank: int, world_size: int, names=("roomy", "medium", "tight", "refused")) -> dict:
+    """At each named budget (`rooms`): the choice, the tiles that ran, the measured peak and the log lines of this
+    rank, or the refusal's message."""
+    import vlmcp_patch
+    from vlmcp_patch import by_need
+    from vlmcp_patch.errors import UnsupportedSetupError
+    from vlmcp_patch.tiles import NORMS, TILES
+    from vlmcp_patch.vision_tiles import VISION_TILES
+
+    model, batch = model_and_row()
+    priced = prices(model, batch, world_size)
+    lines = Lines()
+    logging.getLogger("vlmcp_patch").addHandler(lines)
+    out = {"prices": {"+".join(k) or "none": v for k, v in priced["sets"].items()}, "pending": priced["pending"]}
+    try:
+        for name in names:
+            budget = budget_for(rooms(priced)[name], priced["pending"])
+            vlmcp_patch.enable(cp_size=world_size, device_memory_gib=budget)
+            for counts in (TILES, NORMS, VISION_TILES):
+                counts.drain()
+            lines.lines.clear()
+            result = {"budget": budget * GIB}
+            by_need.STATE.choice = None
+            try:
+                result.update(measured_step(model, batch, world_size))
+                if name == "roomy":  # a second step at the same budget: the same choice, no second line
+                    result["again"] = measured_step(model, batch, world_size)["loss"]
+            except UnsupportedSetupError as error:
+                result["refused"] = str(error)
+            choice = by_need.STATE.choice
+            if choice is not None:
+                result.update(switches=choice.switches.on(), predicted=choice.peak, room=choice.room)
+            result.update(lines=list(lines.lines), mlp_tiles=TILES.drain()["calls"], norm_calls=NORMS.drain()["calls"],
+                          vision_tiles=VISION_TILES.drain()["calls"])
+            out[name] = result
+    finally:
+        logging.getLogger("vlmcp_patch").removeHandler(lines)
+        vlmcp_patch.enable(cp_size=1, device_memory_gib=0)
+    return out
+

@@ -1,0 +1,240 @@
+"""The memory switches chosen by need (`vlmcp_patch/by_need.py`), the line that says so, and explicit tiles at P=1.
+
+Under CP each forward prices its row with the plan's model and turns on the cheapest set of switches that fits the
+room the group agrees on; explicit settings win; a row that fits nowhere is refused on every rank with what would fit
+it. At P=1 nothing is chosen: the default stays stock bit for bit, and explicit tiles act (exactly)."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+from tests.helpers.harness import run_distributed
+from tests.helpers.parity import TOL
+
+GIB = 2**30
+
+
+@pytest.fixture
+def settings_back(reapply):
+    """Whatever a test sets, the switches come back to their defaults (by need) and the choice is forgotten."""
+    from vlmcp_patch import by_need
+
+    by_need.STATE.choice, by_need.STATE.logged, by_need.STATE.p1_logged = None, None, False
+    yield
+    import vlmcp_patch
+
+    vlmcp_patch.enable(mlp_tile_tokens="auto", recompute_norms="auto", vision_tile_patches="auto",
+                       loss_chunk_tokens=0, device_memory_gib=0)
+    by_need.STATE.choice, by_need.STATE.logged, by_need.STATE.p1_logged = None, None, False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rule, priced on a released model's dimensions (no compute)
+
+
+def _priced(size: int = 8):
+    """Qwen3-VL-8B, a 1M-token video row at P=`size` with checkpointing and ZeRO-3: the base Training and each
+    allowed set's predicted peak."""
+    from vlmcp_patch import by_need
+    from vlmcp_patch.planning import Row, Training, model_dims, package_ulysses
+
+    dims = model_dims("qwen3-vl-8b")
+    row = Row.video(2**20)
+    base = Training(gradient_checkpointing=True, sharding="zero3", tiled_mlp=False, tiled_vision=False,
+                    recompute_norms=False)
+    ulysses = package_ulysses(dims, size)
+    sets = {s: by_need.predicted_peak(dims, row, by_need._with(base, s), size, ulysses) for s in by_need.candidates()}
+    return dims, row, base, ulysses, sets
+
+
+def test_the_cheapest_set_that_fits_is_chosen(settings_back):
+    from vlmcp_patch import by_need
+
+    dims, row, base, ulysses, sets = _priced()
+    untiled, least = sets[by_need.Switches()], min(sets.values())
+    assert least < 0.8 * untiled  # the switches matter on this row: the rule has something to choose
+    # roomy: nothing on, stock speed
+    chosen, peak, why = by_need.choose(dims, row, base, 8, ulysses, 1.1 * untiled)
+    assert chosen == by_need.Switches() and peak == untiled and "fits without" in why
+    for room in (0.5 * (untiled + least), 1.01 * least):
+        chosen, peak, why = by_need.choose(dims, row, base, 8, ulysses, room)
+        assert peak <= room < untiled and chosen.on()
+        # no cheaper set fits: every set of lower cost is priced above the room
+        assert all(p > room for s, p in sets.items() if s.cost() < chosen.cost()), (chosen, room)
+    # an explicit switch wins: MLP tiles set off are never chosen, and where they alone would fit the row, the refusal
+    # names them
+    import vlmcp_patch
+
+    vlmcp_patch.enable(mlp_tile_tokens=0)
+    assert not any(s.mlp for s in by_need.candidates())
+    without_mlp = min(p for s, p in sets.items() if not s.mlp)
+    if least < without_mlp:
+        with pytest.raises(vlmcp_patch.UnsupportedSetupError, match="VLMCP_MLP_TILE_TOKENS=auto"):
+            by_need.choose(dims, row, base, 8, ulysses, 0.5 * (least + without_mlp))
+
+
+def test_a_row_that_fits_nowhere_is_refused_with_the_longest_row_and_the_p_that_fit(settings_back):
+    import vlmcp_patch
+    from vlmcp_patch import by_need
+
+    dims, row, base, ulysses, sets = _priced()
+    room = 0.8 * min(sets.values())
+    with pytest.raises(vlmcp_patch.UnsupportedSetupError) as refused:
+        by_need.choose(dims, row, base, 8, ulysses, room)
+    text = str(refused.value)
+    longest = int(re.search(r"fits as set: ([\d,]+) tokens", text).group(1).replace(",", ""))
+    everything = by_need._with(base, by_need.Switches(True, True, True, True))
+    assert 0 < longest < row.tokens
+    assert by_need.predicted_peak(dims, by_need._scaled(row, longest / row.tokens), everything, 8, ulysses) <= room
+    longer = by_need._scaled(row, 1.02 * longest / row.tokens)
+    assert by_need.predicted_peak(dims, longer, everything, 8, ulysses) > room
+    fits_at = int(re.search(r"VLMCP_CP_SIZE=(\d+)", text).group(1))
+    from vlmcp_patch.planning import package_ulysses
+
+    assert by_need.predicted_peak(dims, row, everything, fits_at, package_ulysses(dims, fits_at)) <= room
+    assert by_need.predicted_peak(dims, row, everything, fits_at // 2, package_ulysses(dims, fits_at // 2)) > room
+
+
+def test_the_settings_are_auto_by_need_or_explicit(monkeypatch):
+    from vlmcp_patch import settings
+
+    assert settings._from_environment().recompute_norms == settings.AUTO  # the default: by need
+    for raw, want in (("auto", "auto"), ("on", "on"), ("0", 0), ("4096", 4096)):
+        monkeypatch.setenv("VLMCP_MLP_TILE_TOKENS", raw)
+        monkeypatch.setenv("VLMCP_VISION_TILE_PATCHES", raw)
+        read = settings._from_environment()
+        assert read.mlp_tile_tokens == want and read.vision_tile_patches == want
+    for raw, want in (("auto", "auto"), ("1", True), ("0", False)):
+        monkeypatch.setenv("VLMCP_RECOMPUTE_NORMS", raw)
+        assert settings._from_environment().recompute_norms == want
+    monkeypatch.setenv("VLMCP_DEVICE_MEMORY_GIB", "12.5")
+    assert settings._from_environment().device_memory_gib == 12.5
+    monkeypatch.setenv("VLMCP_DEVICE_MEMORY_GIB", "lots")
+    with pytest.raises(settings.UnsupportedSetupError, match="VLMCP_DEVICE_MEMORY_GIB"):
+        settings._from_environment()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# P=1: the default is stock; explicit tiles act, exactly
+
+
+def _tiny():
+    from tests.helpers.tile_cases import _model_and_batch
+
+    return _model_and_batch("qwen3_vl", "moe_multi_image")
+
+
+def test_p1_default_is_stock_bit_for_bit_and_says_nothing(settings_back, caplog):
+    """At P=1 nothing is chosen by need, whatever the budget: no tile, no line, stock's bits."""
+    import vlmcp_patch
+    from tests.helpers.tile_cases import stock_step
+    from vlmcp_patch.tiles import NORMS, TILES
+
+    model, batch = _tiny()
+    vlmcp_patch.revert()
+    ref_loss, ref_grads = stock_step(model, batch)
+    vlmcp_patch.apply()
+    vlmcp_patch.enable(cp_size=1, device_memory_gib=1e-9)  # a budget nothing fits: by need acts under CP only
+    TILES.drain(), NORMS.drain()
+    with caplog.at_level(logging.INFO, logger="vlmcp_patch"):
+        loss, grads = stock_step(model, batch)
+    assert TILES.drain()["calls"] == 0 and NORMS.drain()["calls"] == 0
+    assert not [r for r in caplog.records if r.name == "vlmcp_patch"]
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+
+
+def test_explicit_tiles_at_p1_engage_and_equal_stock(settings_back, caplog):
+    """`VLMCP_MLP_TILE_TOKENS=3` and `VLMCP_RECOMPUTE_NORMS=1` at P=1: every MLP runs in tiles and every norm is
+    recomputed (the telemetry counts them), the loss and every gradient within 1e-5 of stock (fp32), and one line says
+    so."""
+    import vlmcp_patch
+    from tests.helpers.tile_cases import stock_step
+    from vlmcp_patch.tiles import NORMS, TILES
+
+    model, batch = _tiny()
+    vlmcp_patch.revert()
+    ref_loss, ref_grads = stock_step(model, batch)
+    vlmcp_patch.apply()
+    vlmcp_patch.enable(cp_size=1, mlp_tile_tokens=3, recompute_norms=True)
+    TILES.drain(), NORMS.drain()
+    with caplog.at_level(logging.INFO, logger="vlmcp_patch"):
+        loss, grads = stock_step(model, batch)
+        stock_step(model, batch)
+    tiles, norms = TILES.drain(), NORMS.drain()
+    assert tiles["calls"] > 0 and tiles["forward_tiles"] >= 3 * tiles["calls"] and tiles["backward_tiles"] > 0, tiles
+    assert norms["calls"] > 0 and norms["backward_tiles"] > 0, norms
+    lines = [r.getMessage() for r in caplog.records if r.name == "vlmcp_patch"]
+    assert len(lines) == 1 and "P=1" in lines[0] and "MLP tiles" in lines[0], lines
+    torch.testing.assert_close(loss, ref_loss, rtol=TOL, atol=TOL)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=TOL, atol=TOL, msg=name)
+
+
+def test_the_trainer_log_carries_the_choice(settings_back):
+    """The package's HF Trainer callback adds the switches chosen and the predicted peak to each training log."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    import vlmcp_patch
+    from vlmcp_patch import by_need
+    from vlmcp_patch.callback import VLMCPCallback
+
+    dims, row, base, ulysses, sets = _priced()
+    least = min(sets.values())
+    switches, peak, why = by_need.choose(dims, row, base, 8, ulysses, 1.01 * least)
+    by_need.STATE.choice = by_need.Choice(switches, (), why, peak, 1.01 * least, row.tokens, row.patches(dims), 8,
+                                          ulysses, 8 // ulysses, 1)
+    vlmcp_patch.enable(cp_size=2)  # the callback alone: no collective runs, only the CP switch is read
+    logs = {"loss": 1.0}
+    VLMCPCallback().on_log(TrainingArguments(output_dir="/tmp/unused", report_to=[]), TrainerState(),
+                           TrainerControl(), logs=logs)
+    assert logs["cp_mlp_on"] == int(switches.mlp) and logs["cp_vision_on"] == int(switches.vision)
+    assert logs["cp_predicted_peak_gib"] == round(peak / GIB, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Under CP (P=2, gloo): three budgets, a refusal, the line
+
+
+@pytest.mark.integration
+def test_switches_by_need_at_three_budgets_and_a_refusal(once):
+    from tests.helpers.by_need_cases import TOKENS, budgets
+
+    ranks = once(run_distributed, budgets, 2)
+    for rank, res in enumerate(ranks):
+        roomy, medium, tight, refused = (res[name] for name in ("roomy", "medium", "tight", "refused"))
+        assert roomy["switches"] == [] and roomy["mlp_tiles"] == roomy["vision_tiles"] == roomy["norm_calls"] == 0
+        assert medium["switches"] and len(medium["switches"]) < len(tight["switches"]), (medium, tight)
+        assert "mlp" in tight["switches"] and "vision" in tight["switches"], tight
+        for name, run in (("roomy", roomy), ("medium", medium), ("tight", tight)):
+            where = f"rank {rank}, {name}"
+            assert run["predicted"] <= run["room"] < run["budget"], where
+            assert run["peak"] <= run["budget"], (where, run["peak"] / GIB, run["budget"] / GIB)  # measured
+            assert (run["mlp_tiles"] > 0) == ("mlp" in run["switches"]), where  # the switches chosen ran
+            assert (run["vision_tiles"] > 0) == ("vision" in run["switches"]), where
+            assert (run["norm_calls"] > 0) == ("norms" in run["switches"]), where
+            assert abs(run["loss"] - roomy["loss"]) <= TOL * abs(roomy["loss"]), where  # exact either way
+        assert abs(roomy["again"] - roomy["loss"]) <= TOL * abs(roomy["loss"])
+        # the measured peak follows the choice: the tight budget's step holds less than the medium one's, which holds
+        # less than the untiled one's
+        assert tight["peak"] < medium["peak"] < roomy["peak"]
+        # refused on every rank, before compute, naming the longest row that fits and the P that fits this one
+        text = refused["refused"]
+        longest = int(re.search(r"fits as set: ([\d,]+) tokens", text).group(1).replace(",", ""))
+        assert 0 < longest < TOKENS and "VLMCP_CP_SIZE=4" in text, text
+        # the line: rank 0 of the group only, once per choice (the second roomy step said nothing)
+        if rank == 0:
+            for run in (roomy, medium, tight):
+                (line,) = run["lines"]
+                assert "P=2 (U x R = 2 x 1), 1 data replica" in line and "predicted peak" in line, line
+                for switch in ("MLP tiles", "norm recompute", "vision tiles", "loss chunk"):
+                    assert switch in line, line
+            assert "MLP tiles on" in tight["lines"][0] and "the cheapest set that fits" in tight["lines"][0]
+            assert "fits without switches" in roomy["lines"][0]
+        else:
+            assert all(not run["lines"] for run in (roomy, medium, tight)), rank
