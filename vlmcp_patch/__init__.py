@@ -41,7 +41,7 @@ from .integrations import trainer as _trainer  # noqa: E402
 from .integrations import trl as _trl  # noqa: E402
 from .integrations import trl_rl as _trl_rl  # noqa: E402
 from .integrations import vision_placeholder as _vision_placeholder  # noqa: E402
-from .integrations.placement import batch_to_device  # noqa: E402
+from .integrations.placement import PixelShareCollator, batch_to_device  # noqa: E402
 from .integrations.setup import check_cp_setup  # noqa: E402
 from .logprobs import token_log_probs  # noqa: E402
 from .patching import PATCHES, cp_size  # noqa: E402
@@ -119,6 +119,7 @@ __all__ = [
     "SETTINGS",
     "apply",
     "batch_to_device",
+    "PixelShareCollator",
     "cp_size",
     "data_parallel_rank",
     "data_parallel_world_size",

@@ -94,11 +94,13 @@ def _value_fingerprint(value) -> list[float] | None:
     return None
 
 
-def batch_fingerprint(call: dict) -> list[float]:
-    """The fingerprint slots of a forward's arguments, in the fixed order of FIELDS + OTHER."""
-    out = []
+def batch_fingerprint(call: dict, known: dict[str, list[float]] | None = None) -> list[float]:
+    """The fingerprint slots of a forward's arguments, in the fixed order of FIELDS + OTHER. `known`: tensor
+    fingerprints (`tensor_fingerprint`) taken before the call, by argument name, used in place of the argument's
+    (pixel values cut to one rank's share: their whole tensor's, `host_pixels.py`)."""
+    out, known = [], known or {}
     for name in FIELDS:
-        out += _value_fingerprint(call.get(name)) or [0.0] * PER_FIELD
+        out += ([1.0, *known[name]] if name in known else _value_fingerprint(call.get(name))) or [0.0] * PER_FIELD
     other = [0.0] * PER_FIELD
     for name, value in call.items():
         fp = None if name in FIELDS else _value_fingerprint(value)
@@ -163,9 +165,10 @@ def _describe(fields: list[str]) -> str:
     return f"{', '.join(fields)} differ between the ranks of this CP group: {hint or SHARDING_HINT}."
 
 
-def agree(plan: ForwardPlan, call: dict, model) -> None:
+def agree(plan: ForwardPlan, call: dict, model, known: dict[str, list[float]] | None = None) -> None:
     """Raise on every rank of the plan's group if any rank's plan holds a refusal, or a rank got another batch or
-    other weights, or planned another way.
+    other weights, or planned another way. `known`: fingerprints of arguments taken before the call
+    (`batch_fingerprint`).
 
     At P=1 it only raises this rank's own refusal.
     """
@@ -177,7 +180,7 @@ def agree(plan: ForwardPlan, call: dict, model) -> None:
     weights = weights_fingerprint(model)
     header = [float(problem is not None), _dtype_code(model), float(weights is not None), *(weights or [0.0, 0.0]),
               plan.digest]
-    local = torch.tensor(header + batch_fingerprint(call), dtype=torch.float64, device=plan.device)
+    local = torch.tensor(header + batch_fingerprint(call, known), dtype=torch.float64, device=plan.device)
     gathered = _Gathered(all_gather_small(local, cp.group, cp.size))
     if problem is not None:
         problem.raise_it()

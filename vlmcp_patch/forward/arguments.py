@@ -6,9 +6,13 @@ import inspect
 
 import torch
 
+from ..errors import CPInputError
+
 # The batch's pixel values. Under CP the training integrations leave them on the host (each rank copies its own
 # share to its device: forward/vision.py, integrations/placement.py).
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+# Beside pixel values cut to one rank's share on the host, the record of the cut (`host_pixels.py`).
+SHARE_RECORDS = {"pixel_values": "vlmcp_pixel_values_share", "pixel_values_videos": "vlmcp_pixel_values_videos_share"}
 # Each modality's arguments: (modality, pixels, grid, the config's placeholder token id).
 VISION = (("image", "pixel_values", "image_grid_thw", "image_token_id"),
           ("video", "pixel_values_videos", "video_grid_thw", "video_token_id"))
@@ -31,5 +35,12 @@ def call_arguments(wrapped, args, kwargs) -> dict:
 
 def pixels_on_device(call: dict, device) -> dict:
     """`call` with its pixel values on `device`: a stock pass under a CP launch (`generate()`, `disabled()`) takes
-    them where the model is, and the integrations may have left them on the host."""
+    them where the model is, and the integrations may have left them on the host. Pixel values cut to one rank's
+    share (`host_pixels.py`) cannot serve it: that raises."""
+    cut = [key for key, record in SHARE_RECORDS.items() if call.get(record) is not None]
+    if cut:
+        raise CPInputError(
+            f"{', '.join(cut)} hold only this rank's share of the rows (vlmcp_patch cut them on the host for the CP "
+            "forward), and a pass without CP (generate(), disabled()) needs them whole: build this batch inside "
+            "vlmcp_patch.disabled(), or switch the cut off (VLMCP_HOST_PIXEL_SHARES=0)")
     return {k: v.to(device) if k in PIXEL_KEYS and torch.is_tensor(v) else v for k, v in call.items()}

@@ -32,11 +32,13 @@ from transformers.utils import ModelOutput
 from ..by_need import choose_switches, loss_chunk_tokens
 from ..context import CPContext
 from ..distributed import active_cp_group
+from ..errors import CPInputError
 from ..grad_shares import cp_forward_started
 from ..flags import BYPASS, FULL_LOGITS, TOKEN_LOG_PROBS
 from ..loss import IGNORE_INDEX, sharded_causal_lm_loss, token_log_probs_and_entropy
 from ..settings import SETTINGS
 from ..stats import STATS
+from . import host_pixels
 from .agreement import agree
 from .arguments import call_arguments, pixels_on_device
 from .plan import STOCK, plan_forward
@@ -63,10 +65,16 @@ def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | Non
     The caller runs the stock backbone inside `ctx.running()`: the top-level forward here, TRL's fused LM
     head (which calls the backbone itself) in integrations/trl.py, `vlmcp_patch.token_log_probs`.
     """
-    plan = plan_forward(model, call, active_cp_group(), always)
+    records = host_pixels.take_records(call)  # pixel values cut to this rank's share on the host, if they were
+    plan = plan_forward(model, host_pixels.planning_view(call, records), active_cp_group(), always)
     if plan.path == STOCK:
+        if records:
+            raise CPInputError(f"{', '.join(records)} hold one rank's share of the rows (vlmcp_patch cut them on the "
+                               "host under CP), and this forward runs without CP: it needs them whole")
         return None  # exactly stock
-    agree(plan, call, model)  # a refusal raises here, on every rank of the group
+    plan = host_pixels.checked(plan, call, records)
+    # a refusal raises here, on every rank of the group; cut pixel values compare their whole tensors' fingerprints
+    agree(plan, call, model, host_pixels.whole_fingerprints(records))
     ctx = lay_out(call, plan)
     ctx.groups  # the ring's process groups, created on every rank now (collective), before any compute
     choose_switches(model, call, ctx)  # the memory switches this row needs, agreed by the group (one all-reduce)

@@ -20,7 +20,8 @@ ids and embeddings the backbone was given (`slicing.cut_to_slice`). Three steps:
      tokens each) and every vision attention exchanges sequence for heads (the Ulysses exchange of the decoder,
      non-causal, within each image's attention segments), so even a single large image scales with P;
    * with vision data parallelism off (`VLMCP_VISION_DP=0`), every rank encodes every item.
-2. **pixels** (`pixel_share`) — either way a rank's share is one contiguous range of pixel rows. It is a view
+2. **pixels** (`pixel_share`) — either way a rank's share is one contiguous range of pixel rows (by items, the
+   integrations may have cut the pixel values down to it on the host: `host_pixels.py`, `share_rows_in`). A view
    when the pixels already have the tower's device and dtype (the caller keeps them alive anyway, so a copy
    would only add memory: the patch embedding saves its input for backward), and a copy of that range only when
    they come from the host (`placement.py`) or need a cast. A tower in tiles gets the range where the caller has
@@ -105,6 +106,15 @@ def pixel_share(pixels: torch.Tensor, rows: slice, placement: dict) -> torch.Ten
     return pixels[rows].to(**placement)
 
 
+def share_rows_in(pixels: torch.Tensor, share: VisionShare, rank: int) -> slice:
+    """The rows of `pixels` (patches, width) that hold rank `rank`'s share by items: its rows of the whole where
+    `pixels` are the whole batch's, all of them where they are that share, cut on the host (`host_pixels.py`; the
+    forward checked them against its plan before compute)."""
+    rows = share.patch_rows(rank)
+    whole = sum(patches for _, patches, *_ in share.units)
+    return rows if pixels.shape[0] == whole else slice(0, rows.stop - rows.start)
+
+
 def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionShare, cp: CPGroup,
                  kwargs: dict) -> tuple[object, torch.Tensor]:
     """(tower output, joined features) of this rank's whole items and temporal groups (module docstring)."""
@@ -113,7 +123,7 @@ def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionS
     tiled = _TiledOutput() if group_tiles(tower, [share.local_grid(r, "cpu").tolist()
                                                   for r in range(cp.size)]) else None
     if share.mine(cp.rank):
-        rows = share.patch_rows(cp.rank)
+        rows = share_rows_in(pixels, share, cp.rank)
         # in tiles each tile's rows are moved when it runs (`encode_in_tiles`); pixels that need a gradient are
         # moved whole, their gradient then the share's
         in_tiles = tiled is not None and not pixels.requires_grad

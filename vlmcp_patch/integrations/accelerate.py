@@ -5,7 +5,8 @@ Four things change when the ranks of a CP group share each micro-batch:
 * setup: a model prepared under CP must be one the package runs under CP — anything else would train
   on P copies of each batch with P times the gradient — so `prepare` checks it before the first step;
 * data: batches are sharded over the W/P data-parallel replicas, not the W ranks, so that the ranks
-  of one CP group receive the same micro-batches;
+  of one CP group receive the same micro-batches, and each rank's pixel values are cut to its share as they are
+  collated (integrations/placement.py);
 * gradients: DDP and FSDP average over all W ranks, while a CP step needs the sum over each CP group
   (each rank holds its slice's share) and the mean over the replicas — P times their average. The loss
   is scaled by P inside `Accelerator.backward` only, so the loss the Trainer logs stays the P=1 loss.
@@ -20,8 +21,10 @@ import torch.distributed as dist
 
 from ..distributed import cp_running, data_parallel_rank, data_parallel_world_size
 from ..flags import ONE_COPY_PER_CP_GROUP, scoped
+from ..forward.host_pixels import this_ranks_cut
 from ..grad_shares import reduced_by_wrapper
 from ..patching import Patch, cp_size
+from .placement import PixelShareCollator
 from .setup import check_cp_setup, require_integration
 
 
@@ -46,11 +49,27 @@ def cp_fsdp2_prepare_model(wrapped, instance, args, kwargs):
 
 
 def cp_prepare_data_loader(wrapped, instance, args, kwargs):
-    if cp_running():
-        kwargs["num_processes"] = data_parallel_world_size()
-        kwargs["process_index"] = data_parallel_rank()
-        kwargs["torch_device_mesh"] = None  # with a mesh, accelerate would derive its own sharding instead
-    return wrapped(*args, **kwargs)
+    if not cp_running():
+        return wrapped(*args, **kwargs)
+    kwargs["num_processes"] = data_parallel_world_size()
+    kwargs["process_index"] = data_parallel_rank()
+    kwargs["torch_device_mesh"] = None  # with a mesh, accelerate would derive its own sharding instead
+    loader = wrapped(*args, **kwargs)
+    cut_as_collated(loader)
+    return loader
+
+
+def cut_as_collated(loader) -> None:
+    """Each batch of a prepared data loader cut to this rank's share of the pixel values as soon as it is collated
+    (integrations/placement.py), in the loader a `DataLoaderShard` iterates. A loader that dispatches the main
+    process's batches to the others is left as it is: each rank cuts what it receives (`send_to_device`)."""
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    cut = this_ranks_cut()
+    base = getattr(loader, "base_dataloader", loader)
+    if cut is None or isinstance(loader, DataLoaderDispatcher) or not callable(getattr(base, "collate_fn", None)):
+        return
+    base.collate_fn = PixelShareCollator(base.collate_fn, cut)
 
 
 def cp_backward(wrapped, instance, args, kwargs):
