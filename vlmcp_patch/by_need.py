@@ -259,8 +259,15 @@ def local_room(model, device: torch.device) -> float | None:
         free, total = budget, budget
     else:
         return None
-    pending = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    pending = sum(_local_numel(p) * p.element_size() for p in model.parameters()
+                  if p.requires_grad and p.grad is None)
     return free - margin() * total - (pending if torch.is_grad_enabled() else 0)
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    """The elements this rank holds of a parameter (an FSDP2 DTensor's local shard; a ZeRO-3 partition has none)."""
+    local = getattr(param, "to_local", None)
+    return local().numel() if callable(local) else param.numel()
 
 
 def margin() -> float:
@@ -293,19 +300,18 @@ def choose(dims, row, base, size: int, ulysses: int, room: float | None) -> tupl
 
     local = math.ceil(row.tokens / size)
     sets = candidates(chunk_tokens(local, dims.hidden, dims.vocab) > SMALL_LOSS_CHUNK)
-    priced = [(s, predicted_peak(dims, row, _with(base, s), size, ulysses)) for s in sets]
+    untiled = predicted_peak(dims, row, _with(base, sets[0]), size, ulysses)
     if room is None:
-        s, peak = priced[0]
-        return s, peak, "no memory limit known (on a CPU: VLMCP_DEVICE_MEMORY_GIB), nothing switched on by need"
-    untiled = priced[0][1]
-    for s, peak in priced:
+        return sets[0], untiled, "no memory limit known (on a CPU: VLMCP_DEVICE_MEMORY_GIB), nothing on by need"
+    for s in sets:  # priced one after the other, cheapest first: a roomy row prices one set only
+        peak = untiled if s is sets[0] else predicted_peak(dims, row, _with(base, s), size, ulysses)
         if peak <= room:
             by_need = [LABELS[n] for n in s.on() if explicit(n) is None]
             if not by_need:
                 return s, peak, "the row fits without switches"
             return s, peak, (f"without them {size_text(untiled)} > {size_text(room)}: "
                              f"{', '.join(by_need)} on, the cheapest set that fits")
-    raise UnsupportedSetupError(refusal(dims, row, base, size, ulysses, room, priced[-1]))
+    raise UnsupportedSetupError(refusal(dims, row, base, size, ulysses, room, (sets[-1], peak)))
 
 
 def _with(base, s: Switches):
