@@ -27,8 +27,9 @@ def test_gpu_check_dry_run_on_cpu_with_two_ranks():
 
 
 def test_gpu_check_dry_run_offload_and_tiled_mlp_sections_in_one_process():
-    """Sections 8 and 9 (one process): the offloaded step's gradients are the same bits, the MLP really ran in
-    several tiles and its gradients equal the whole MLP's."""
+    """Sections 8, 9 and 13 (one process): the offloaded step's gradients are the same bits, the MLP really ran in
+    several tiles and its gradients equal the whole MLP's, the host pool within 1.05x and its out-of-order paths
+    exact."""
     out = launch(ROOT / "benchmarks" / "gpu_check.py", ["--dry-run"], launcher="python")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "== 8. checkpoint offload" in out.stdout, out.stdout
@@ -41,6 +42,11 @@ def test_gpu_check_dry_run_offload_and_tiled_mlp_sections_in_one_process():
     assert tiles and int(tiles.group(1)) > 1, out.stdout
     assert float(tiles.group(2)) <= 1e-5 and float(tiles.group(3)) <= 1e-5, out.stdout
     assert "host pool 0.000 GiB" not in out.stdout  # the pool held the checkpoints
+    # section 13: the pool's bytes within 1.05x of what it held; the out-of-order paths exact, the pool whole after each
+    ratio = re.search(r"== 13\..*\n.*: ratio ([\d.]+) \(goal <= 1\.05", out.stdout)
+    assert ratio and float(ratio.group(1)) <= 1.05, out.stdout
+    assert re.findall(r"same bits (True|False)", out.stdout) == ["True"] * 8, out.stdout
+    assert "still given out after each path: {'raised pool': 0, 'retain pool': 0, 'two pool': 0}" in out.stdout
 
 
 def test_gpu_check_reports_a_failing_section_and_runs_the_rest(monkeypatch, capsys):
