@@ -10,20 +10,29 @@ to the checkpoint's own hooks). A patch on each family's decoder layer and visio
 else through.
 
 - **Copies behind compute.** On an accelerator the device-to-host copy runs on a side stream after the compute that
-  made the tensor; the device memory returns to the allocator once the copy has run (`record_stream`).
+  made the tensor; the device memory returns to the allocator once the copy has run (`record_stream`). Everything the
+  side stream touches is recorded on it or given back after its event, so a checkpoint freed early (a backward that
+  raises, `retain_graph`, a graph never backwarded, two forwards before one backward) never has its memory reused
+  mid-copy (`HostCheckpoints`).
 - **The last layer stays.** The newest input is copied only when the next layer's arrives: the last checkpointed
   layer's input, the first one backward needs, never leaves the device.
 - **Prefetch.** When backward unpacks a layer's input, the copy back of the layer before it starts on the side stream
   while this one recomputes; the compute stream waits for it only when it needs it.
-- **One pool.** Host buffers (pinned on an accelerator) are allocated on first need and reused across steps: a buffer
-  returns to the pool when autograd frees the saved input it held. `HOST_CHECKPOINTS.pool.reserved` is its size.
+- **One pool, no waste.** Host memory (pinned on an accelerator) is allocated on first need, in power-of-two slabs
+  that torch's caching host allocator takes without rounding them up, and reused across steps: a checkpoint holds
+  extents of the slabs (spanning several if need be), given back when autograd frees it. The pool allocates at most
+  `pool_bytes_for(held)` < 1.032 x the bytes it holds (above 64 MiB); one pinned buffer per checkpoint cost up to 2x.
+  `HOST_CHECKPOINTS.pool.reserved` is its size.
 - **Without an accelerator** (CPU tensors) the same path runs with plain host buffers and synchronous copies (no
   pinning, no streams): the tests exercise it here.
 
 The values come back bit for bit: the same bytes, the same shape and strides. Active whenever the switch is on, CP or
 not (it is opted into and exact). transformers' own `activation_checkpointing_enable(offload=True)` and Accelerate's
 `activation_checkpointing_offload` copy on the compute stream and pin per tensor: under CP they are refused before
-compute (`foreign_offload_problem`), naming this switch.
+compute (`foreign_offload_problem`), naming this switch. The switch acts through transformers' own checkpointing
+(`gradient_checkpointing_enable()`); a layer checkpointed otherwise (torch's `checkpoint_wrapper`, which FSDP2 and
+Accelerate apply, a hand-written `torch.utils.checkpoint`, DeepSpeed's) is refused with the switch on, before it
+computes (`foreign_checkpoint_problem`): never a switch that silently does nothing.
 """
 
 from __future__ import annotations
@@ -452,7 +461,8 @@ def _foreign_checkpoints(deepspeed_checkpointing) -> dict:
     for name in ("checkpoint", "non_reentrant_checkpoint"):
         fn = getattr(deepspeed_checkpointing, name, None)
         if fn is not None:
-            codes[inspect.unwrap(fn).__code__] = f"DeepSpeed's activation checkpointing (deepspeed.checkpointing.{name})"
+            codes[inspect.unwrap(fn).__code__] = \
+                f"DeepSpeed's activation checkpointing (deepspeed.checkpointing.{name})"
     return codes
 
 
