@@ -6,8 +6,8 @@ Checked at run time, not read from the source: each rank of the suite's CP runs 
 script launched through `run_script`) installs `tests/helpers/wrapped_check.py` first, so every CP test of the suite
 fails when the package calls torch.distributed around the wrapper, however the call is spelled. Here, the check
 itself: a module executed as the package's (`tests/helpers/bypass_spellings.py`) sums a tensor over a real gloo group
-of two ranks in eleven spellings that bypass the wrapper, each flagged naming the callable and the function, and in
-five that go through it, none flagged; all in one launch.
+of two ranks in twelve spellings that bypass the wrapper, each flagged naming the callable and the function, and in
+six that go through it, none flagged; all in one launch, with a tiny CP step whose own calls the check sees.
 """
 
 from __future__ import annotations

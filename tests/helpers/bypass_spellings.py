@@ -87,6 +87,10 @@ def autograd_collective(x, group):
     return dist_nn.all_reduce(x, group=group)
 
 
+def operator(x, group):
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", group.group_name))
+
+
 def wait_outside(x, group):
     """Started through the wrapper, waited for around it (the wait belongs in `raising`)."""
     work = communicate("sum", group, x.numel(), lambda: dist.all_reduce(x, group=group, async_op=True))
@@ -108,6 +112,8 @@ BYPASSES = {
     "functional collectives": (functional_collective, {f"{FUNCOL}.all_reduce", f"{FUNCOL}.wait_tensor"}),
     "torch.distributed.nn": (autograd_collective, {"torch.distributed.nn.functional.all_reduce"}),
     "Work.wait outside raising": (wait_outside, {"Work.wait"}),
+    "torch.ops._c10d_functional": (operator, {"torch.ops._c10d_functional.all_reduce",
+                                              "torch.ops._c10d_functional.wait_tensor"}),
 }
 
 
@@ -131,6 +137,14 @@ def functional_handed(x, group):
     return raising("sum", group, lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", group)))
 
 
+def operator_handed(x, group):
+    def run():
+        return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce.default(
+            x, "sum", group.group_name))
+
+    return communicate("sum", group, x.numel(), run)
+
+
 def waited_in_raising(x, group):
     work = communicate("sum", group, x.numel(), lambda: td.all_reduce(x, group=group, async_op=True))
     raising("sum", group, work.wait)
@@ -143,6 +157,7 @@ WRAPPED = {
     "raising(functools.partial(X))": handed_as_partial,
     "raising(lambda: functional collective)": functional_handed,
     "raising(work.wait)": waited_in_raising,
+    "communicate(def run: torch.ops overload)": operator_handed,
 }
 
 

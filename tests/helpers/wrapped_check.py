@@ -9,7 +9,8 @@ else) replaces every communicating callable of torch.distributed with a checker 
 
 - the functions of `torch.distributed` (also bound in `distributed_c10d`), `torch.distributed.nn(.functional)` and
   the functional collectives (`torch.distributed._functional_collectives`);
-- the methods of `ProcessGroup` and of its backends (`Backend`: gloo, NCCL), and `Work.wait`.
+- the methods of `ProcessGroup` and of its backends (`Backend`: gloo, NCCL), and `Work.wait`;
+- the operators beneath them, called from Python (`torch.ops._c10d_functional.*`, `torch.ops.c10d.*`).
 
 Fail-closed: everything callable there is checked except the local queries named in `LOCAL` (ranks, sizes, names,
 availability, teardown). A package module that bound one of torch's functions before `install()` ran (a
@@ -71,6 +72,8 @@ LOCAL = {
         "set_timeout", "abort", "shutdown", "suspend", "resume", "setUsePgForSymmMemRendezvous",
     },
 }
+# The operators' namespaces (`torch.ops.NAMESPACE`) of the collectives.
+OPERATOR_NAMESPACES = ("c10d::", "_c10d_functional::", "_c10d_functional_autograd::")
 # Of a communication's handle, what waits for it (the wrapper's `raising` waits for a ring pass it started).
 WORK_WAITS = ("wait",)
 
@@ -183,6 +186,29 @@ def _wrap_classes() -> None:
             setattr(cls, name, _checker(f"{cls.__name__}.{name}", getattr(cls, name), method=True))
 
 
+def _wrap_ops() -> None:
+    """The operators under the functional collectives and the process groups (`torch.ops._c10d_functional.*`,
+    `torch.ops.c10d.*`), called from Python by their packet or an overload: checked in their classes' `__call__`,
+    so every other operator only pays a look at its name."""
+    from torch._ops import OpOverload, OpOverloadPacket
+
+    for cls, attribute in ((OpOverloadPacket, "_qualified_op_name"), (OpOverload, "_name")):
+        if not hasattr(cls.__call__, "__vlmcp_checked__"):
+            cls.__call__ = _operator_checker(cls.__call__, attribute)
+
+
+def _operator_checker(original, attribute: str):
+    def called(self, /, *args, **kwargs):
+        name = getattr(self, attribute)
+        if name.startswith(OPERATOR_NAMESPACES) and not torch.compiler.is_compiling():
+            _check("torch.ops." + name.replace("::", "."))
+        return original(self, *args, **kwargs)
+
+    functools.update_wrapper(called, original)
+    called.__vlmcp_checked__ = original
+    return called
+
+
 def _rebind(modules) -> None:
     """Where a module holds one of torch's callables this module checks (a from-import, an alias made before
     `install`), give it the checker."""
@@ -199,6 +225,7 @@ def install() -> None:
     if not _checkers:
         _wrap_modules()
         _wrap_classes()
+        _wrap_ops()
     _rebind([m for name, m in list(sys.modules.items()) if _under(name, (PACKAGE,)) and m is not None])
 
 
