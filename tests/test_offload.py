@@ -158,6 +158,25 @@ def test_pool_never_hands_out_bytes_still_held(seed):
     assert pool.reserved <= pool_bytes_for(pool.peak_held)  # the price holds in any order of takes and releases
 
 
+def test_a_give_back_while_the_pool_is_busy_never_waits():
+    """A finalizer can give a checkpoint back in the middle of a `take` (a garbage collection there) or from
+    autograd's thread: it must not wait for the lock the taker holds, and the extents come back all the same."""
+    import threading
+
+    pool = HostPool()
+    lease = pool.take(3 * MiB, pinned=False)
+    with pool._lock:  # a take in progress
+        giver = threading.Thread(target=pool.give_back, args=(lease,))
+        giver.start()
+        giver.join(timeout=10)
+        assert not giver.is_alive()
+    assert pool.in_use == pool.held == 0
+    pool.check()
+    reserved = pool.reserved
+    pool.take(3 * MiB, pinned=False)
+    assert pool.reserved == reserved
+
+
 def test_pool_release_frees_only_whole_free_slabs():
     pool = HostPool()
     kept = pool.take(3 * MiB, pinned=False)

@@ -38,6 +38,7 @@ computes (`foreign_checkpoint_problem`): never a switch that silently does nothi
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import functools
 import sys
@@ -119,7 +120,8 @@ class HostPool:
     - `reserved`: the slabs' bytes; `in_use`: the extents' bytes given out; `held`: the bytes asked for by those
       still given out, `peak_held` its peak. `check()` states the invariants the tests hold it to.
 
-    Thread-safe: a checkpoint is given back when autograd frees it, on whichever thread runs the backward."""
+    Thread-safe: a checkpoint is given back when autograd frees it, on whichever thread runs the backward, or by a
+    garbage collection in the middle of a `take`: a give-back never waits for the lock (`give_back`)."""
 
     def __init__(self):
         self.slabs: dict[int, torch.Tensor] = {}
@@ -127,12 +129,24 @@ class HostPool:
         self._free: dict[bool, list[list]] = {False: [], True: []}  # [slab, start, stop, events], sorted
         self._given: dict[tuple[int, int, int], list] = {}  # each extent given out -> its lease's extents
         self._next_slab = 0
-        self.reserved = self.in_use = self.held = self.peak_held = 0
+        self.reserved = self._in_use = self._held = self.peak_held = 0
         self._lock = threading.Lock()
+        self._returned: collections.deque = collections.deque()  # give-backs not yet merged into the free lists
+
+    @property
+    def in_use(self) -> int:
+        self._merge_returned()
+        return self._in_use
+
+    @property
+    def held(self) -> int:
+        self._merge_returned()
+        return self._held
 
     def take(self, nbytes: int, pinned: bool) -> Lease:
         need = _round_up(max(nbytes, 1), ALIGN)
         with self._lock:
+            self._merge_returned_locked()
             free = self._free[pinned]
             lacking = need - sum(stop - start for _, start, stop, _ in free)
             if lacking > 0:
@@ -140,27 +154,43 @@ class HostPool:
             chosen = self._carve(free, need)
             extents = [(slab, start, stop) for slab, start, stop, _ in chosen]
             wait = [event for *_, events in chosen for event in events]
-            self.in_use += need
-            self.held += nbytes
-            self.peak_held = max(self.peak_held, self.held)
+            self._in_use += need
+            self._held += nbytes
+            self.peak_held = max(self.peak_held, self._held)
             lease = Lease(extents, [self.slabs[slab][start:stop] for slab, start, stop in extents], nbytes, wait)
             for extent in extents:
                 self._given[extent] = lease.extents
             return lease
 
     def give_back(self, lease: Lease, ready=None) -> None:
-        """Return `lease`'s extents; `ready`: an event after which they may be written again (None: now)."""
-        with self._lock:
+        """Return `lease`'s extents; `ready`: an event after which they may be written again (None: now). Called by
+        finalizers, which may run inside a `take` (a garbage collection) or on autograd's thread: it only queues the
+        lease, merged into the free lists now if the pool is not busy, else by the next call that holds the lock."""
+        self._returned.append((lease, ready))
+        self._merge_returned()
+
+    def _merge_returned(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            return  # the holder merges them before it carves (`take`) or counts (`check`)
+        try:
+            self._merge_returned_locked()
+        finally:
+            self._lock.release()
+
+    def _merge_returned_locked(self) -> None:
+        while self._returned:
+            lease, ready = self._returned.popleft()
             for extent in lease.extents:
                 del self._given[extent]
                 slab, start, stop = extent
                 self._insert_free(self._free[self._pinned[slab]], [slab, start, stop, [] if ready is None else [ready]])
-                self.in_use -= stop - start
-            self.held -= lease.nbytes
+                self._in_use -= stop - start
+            self._held -= lease.nbytes
 
     def release(self) -> None:
         """Free the slabs nothing holds a byte of (the pool is allocated again on the next need)."""
         with self._lock:
+            self._merge_returned_locked()
             for pinned, free in self._free.items():
                 whole = [e for e in free if e[1] == 0 and e[2] == self.slabs[e[0]].numel()]
                 for slab, *_ in whole:
@@ -172,6 +202,7 @@ class HostPool:
         """The pool's invariants: the free extents and those given out tile every slab exactly once (nothing lost,
         nothing given twice), free neighbours are merged, and the counters agree."""
         with self._lock:
+            self._merge_returned_locked()
             covered = sorted([tuple(e[:3]) for free in self._free.values() for e in free] + list(self._given))
             by_slab: dict[int, int] = {}
             for slab, start, stop in covered:
@@ -182,7 +213,7 @@ class HostPool:
                 for a, b in zip(free, free[1:]):
                     assert not (a[0] == b[0] and a[2] == b[1]), "free neighbours not merged"
             assert self.reserved == sum(t.numel() for t in self.slabs.values())
-            assert self.in_use == sum(stop - start for slab, start, stop in self._given)
+            assert self._in_use == sum(stop - start for slab, start, stop in self._given)
 
     # -- inside the lock --------------------------------------------------------------------------------------------
 
