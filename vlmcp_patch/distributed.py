@@ -420,22 +420,6 @@ def data_parallel_rank() -> int:
     return dist.get_rank() // size
 
 
-def is_partitioned(param) -> bool:
-    """A parameter its data-parallel wrapper shards across ranks: a DeepSpeed ZeRO-3 partition (`ds_id`) or an
-    FSDP2 `DTensor` (each rank holds a different piece; the wrapper keeps them consistent)."""
-    from torch.distributed.tensor import DTensor
-
-    return hasattr(param, "ds_id") or isinstance(param, DTensor)
-
-
-def sharded_by_fsdp2(module: torch.nn.Module) -> bool:
-    """Whether FSDP2 gathers the module's weights when it runs (inside an FSDP2 forward its parameters may be
-    unsharded at the moment: the wrapped submodules tell)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in module.modules())
-
-
 def sum_over_cp_group(tensors, group=None) -> None:
     """All-reduce (sum) each tensor in place over the CP `group` (default: this rank's group in effect; a no-op
     with CP off). A raw training loop calls it on the parameters' gradients after backward: each rank holds its

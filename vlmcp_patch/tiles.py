@@ -2,13 +2,21 @@
 
 An MLP is token-wise: each output row depends on its own input row only (the dense MLPs; the MoE experts given each
 token's routing). So it can run over tiles of the rank's tokens, one after the other, and produce exactly the rows
-the whole slice would. `TokenwiseTiles` does that in forward without keeping any tile's intermediates (the
+the whole slice would. `tokenwise_tiles` does that in forward without keeping any tile's intermediates (the
 activations of `intermediate_size` per token, 4-12x the hidden states, are the largest tensors of a recomputed
 layer), and in backward recomputes each tile and back-propagates it before the next one.
 
-Each parameter's gradient is accumulated over the tiles inside the function and returned once, as the gradient of
-that input: autograd then accumulates it into `.grad` once per backward, so the hooks of DDP, ZeRO-2/3 and FSDP2
-(which fire when a parameter's gradient is accumulated) see one gradient, as with the untiled MLP.
+The recomputation is the package's one tiled recompute (`tiled_recompute.py`, shared with the vision tower): each
+parameter's gradient is summed over the tiles inside the function, in fp32, cast once to the parameter's dtype and
+returned once, as the gradient of that input: autograd then accumulates it into `.grad` once per backward, so the
+hooks of DDP, ZeRO-2/3 and FSDP2 (which fire when a parameter's gradient is accumulated) see one gradient, as with the
+untiled MLP, and in bf16 it is as near the exact gradient as the untiled MLP's.
+
+An MLP whose weights a sharding wrapper gathers piece by piece inside its call — ZeRO-3 hooks on its Linear children,
+or FSDP2 units at or inside it (a size-based wrapping policy) — runs untiled (`sharding.gathers_per_submodule_call`):
+each tile would start its own gathers, and ranks whose tiles differ in number would issue different collectives.
+Under the package's DeepSpeed integration the decoder's MLPs are ZeRO-3 leaves (`gather_whole_mlps_under_zero3`); an
+MLP inside an FSDP2 unit (a decoder layer's, the usual policy) is gathered whole with it and tiles.
 
 Tile size (`mlp_tile_tokens`): `VLMCP_MLP_TILE_TOKENS` when set; else equal tiles whose intermediates take at most the
 memory of the slice's hidden states (`INTERMEDIATE_PER_HIDDEN`), of at most `hidden_size` tokens (DeepSpeed ALST's
@@ -21,7 +29,7 @@ keeps the stock MLP).
 
 The decoder's RMSNorms take the same path (`recomputed_norm_forward`): transformers' norms compute in fp32, and
 autograd keeps an fp32 copy of the input and the normalized input (in bf16 also its cast back) — three times the
-input's bytes in bf16, per norm, for the whole layer's backward. Run through `TokenwiseTiles`, a norm keeps its input
+input's bytes in bf16, per norm, for the whole layer's backward. Run through `tokenwise_tiles`, a norm keeps its input
 only and is recomputed in backward, in tiles of rows, so that its fp32 intermediates and their gradients (about six
 fp32 values per number) are one tile's. Each row runs the stock ops, so values and input gradients are the stock
 ones; the weight's gradient is summed over the tiles. `VLMCP_RECOMPUTE_NORMS=0` turns it off; CP off never does it.
@@ -38,7 +46,8 @@ from .forward.arguments import call_arguments
 from .patching import cp_size
 from .settings import AUTO, SETTINGS
 from .stats import TileCounts
-from .vision_tiles import autocast_of, zero3_partitioned
+from .sharding import gathers_per_submodule_call, make_zero3_leaf
+from .tiled_recompute import TiledWork, recompute_in_tiles
 
 MIN_TILE = 1024  # tokens: the matmuls of a tile stay large enough to run at full speed
 INTERMEDIATE_PER_HIDDEN = 1  # a tile's intermediates take at most this many times the slice's hidden states
@@ -77,62 +86,17 @@ NORMS = TileCounts(facts_key="cp_norm_tiles_per_call")  # telemetry of `recomput
 NORM_BACKWARD_WIDTH = 6
 
 
-class TokenwiseTiles(torch.autograd.Function):
+def tokenwise_tiles(fn: Callable, bounds: Sequence[tuple[int, int]], counts: TileCounts,
+                    tiled: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> torch.Tensor:
     """`fn(*tiled)` computed tile by tile: the rows `a:b` of the output are `fn(*(t[a:b] for t in tiled))`.
 
-    Inputs: `fn` (token-wise; reads `params`), `bounds` (the tiles, `tile_bounds`; one tile: the whole, run once and
-    recomputed in backward), `counts` (the `TileCounts` it reports to), `num_tiled`, then the `tiled` tensors (tokens
-    on dim 0, same length; integer ones get no gradient) and the `params` fn reads. Output: (tokens, ...), as fn's.
-    Saves the tiled inputs only; backward recomputes tile by tile and returns each parameter's gradient summed over
-    the tiles (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, fn: Callable, bounds: Sequence[tuple[int, int]], counts: TileCounts, num_tiled: int, *inputs):
-        tiled = inputs[:num_tiled]
-        ctx.fn, ctx.bounds, ctx.counts, ctx.params = fn, bounds, counts, inputs[num_tiled:]
-        ctx.autocast = autocast_of(tiled[0].device)
-        ctx.save_for_backward(*tiled)
-        if len(bounds) == 1:  # the whole at once: fn's own output, no copy
-            out = fn(*tiled)
-        else:
-            out = None
-            for a, b in bounds:
-                piece = fn(*(t[a:b] for t in tiled))
-                if out is None:
-                    out = piece.new_empty((bounds[-1][1], *piece.shape[1:]))
-                out[a:b] = piece
-        counts.forward_tiles += len(bounds)
-        counts.calls += 1
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        tiled, params = ctx.saved_tensors, ctx.params
-        wants = ctx.needs_input_grad[4:]
-        whole = len(ctx.bounds) == 1
-        tiled_grads = [None if whole or not want else torch.zeros_like(t) for t, want in zip(tiled, wants)]
-        param_grads: list[torch.Tensor | None] = [None] * len(params)
-        for a, b in ctx.bounds:
-            pieces = [t[a:b].detach().requires_grad_(want) for t, want in zip(tiled, wants)]
-            with torch.enable_grad(), torch.autocast(**ctx.autocast):
-                out = ctx.fn(*pieces)
-            sources = [(i, x) for i, (x, want) in enumerate(zip([*pieces, *params], wants)) if want]
-            grads = torch.autograd.grad(out, [x for _, x in sources], grad_out[a:b], allow_unused=True)
-            del out, pieces  # the tile's recomputed intermediates go before the next tile's
-            for (i, _), grad in zip(sources, grads):
-                if grad is None:
-                    continue
-                if i < len(tiled):
-                    if whole:
-                        tiled_grads[i] = grad
-                    else:
-                        tiled_grads[i][a:b] = grad
-                elif param_grads[i - len(tiled)] is None:
-                    param_grads[i - len(tiled)] = grad
-                else:
-                    param_grads[i - len(tiled)] += grad
-            ctx.counts.backward_tiles += 1
-        return None, None, None, None, *tiled_grads, *param_grads
+    `fn`: token-wise, reads `params`; `bounds`: the tiles (`tile_bounds`; one tile: the whole, run once and recomputed
+    in backward); `counts`: the `TileCounts` it reports to; `tiled`: tokens on dim 0, same length (integer ones get no
+    gradient). Output: (tokens, ...), as fn's. Keeps the tiled inputs only; backward recomputes tile by tile and
+    returns each parameter's gradient summed over the tiles in fp32, cast once (`tiled_recompute.RecomputedTiles`)."""
+    work = TiledWork(fn=lambda _, *pieces: fn(*pieces), spans=[(span, span) for span in bounds], counts=counts,
+                     device=tiled[0].device)
+    return recompute_in_tiles(work, tiled, params)
 
 
 def tiling_applies() -> bool:
@@ -151,10 +115,10 @@ def run_in_tiles(fn: Callable, tiled: Sequence[torch.Tensor], module: torch.nn.M
 
     tokens = tiled[0].shape[0]
     size = mlp_tile_tokens(tokens, hidden_size, intermediate_width, size_setting(SETTINGS.mlp_tile_tokens))
-    if size >= tokens or _zero3_gathers_per_child_call(module):
+    if size >= tokens or gathers_per_submodule_call(module):
         return None
     params = [p for p in module.parameters() if p.requires_grad]
-    return TokenwiseTiles.apply(fn, tile_bounds(tokens, size), TILES, len(tiled), *tiled, *params)
+    return tokenwise_tiles(fn, tile_bounds(tokens, size), TILES, tiled, params)
 
 
 # The dense MLP classes the families tile (`models/base.mlp_patches`): their forward calls child Linear modules. Those
@@ -162,18 +126,6 @@ def run_in_tiles(fn: Callable, tiled: Sequence[torch.Tensor], module: torch.nn.M
 # blocks' MLPs do not (`VISION_MLP_CLASSES`).
 DENSE_MLP_CLASSES: set[str] = set()
 VISION_MLP_CLASSES: set[str] = set()
-
-
-def _zero3_gathers_per_child_call(module: torch.nn.Module) -> bool:
-    """Whether ZeRO-3 gathers `module`'s weights child by child, at each child's call: tiles would then start one
-    gather per tile, and ranks with different numbers of tiles would issue different collectives. Such a module runs
-    untiled (`gather_whole_mlps_under_zero3` prevents it under the package's DeepSpeed integration). Not when the
-    module is a ZeRO-3 leaf, or inside one (its weights then carry their leaf, `ds_z3_leaf_module`: a vision MLP in a
-    leaf tower, `vision_tiles.gather_whole_towers_under_zero3`)."""
-    params = list(module.parameters())
-    children_hooked = any(next(child.parameters(), None) is not None for child in module.children())
-    in_a_leaf = bool(params) and all(getattr(p, "ds_z3_leaf_module", None) is not None for p in params)
-    return zero3_partitioned(module) and children_hooked and not (getattr(module, "_z3_leaf", False) or in_a_leaf)
 
 
 def gather_whole_mlps_under_zero3(model: torch.nn.Module | None) -> None:
@@ -192,7 +144,7 @@ def gather_whole_mlps_under_zero3(model: torch.nn.Module | None) -> None:
     for module in model.modules():
         names = {cls.__name__ for cls in type(module).__mro__}
         if names & DENSE_MLP_CLASSES and not names & VISION_MLP_CLASSES:
-            module._z3_leaf = True  # deepspeed.utils.set_z3_leaf_module, read when ZeRO-3 registers its hooks
+            make_zero3_leaf(module)
 
 
 def _single_input(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -254,5 +206,5 @@ def recomputed_norm_forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     rows = x.reshape(-1, x.shape[-1])  # q and k norms normalize each head: a row per token and head
     size = tile_tokens(rows.shape[0], rows.shape[1], NORM_BACKWARD_WIDTH * rows.shape[1])
-    out = TokenwiseTiles.apply(wrapped, tile_bounds(rows.shape[0], size), NORMS, 1, rows, *params)
+    out = tokenwise_tiles(wrapped, tile_bounds(rows.shape[0], size), NORMS, [rows], params)
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -3,7 +3,7 @@
 The tower's blocks never mix items: attention runs within one image or one temporal patch group (`cu_seqlens`), and
 everything else is per patch or per merged token. So a rank's share by items (`forward/vision.encode_items`) can run
 through the whole tower — patch embedding, blocks, merger, deepstack mergers — one tile of whole temporal patch
-groups after the other, and produce exactly the features the whole share would. `VisionTiles` does that in forward
+groups after the other, and produce exactly the features the whole share would. `vision_in_tiles` does that in forward
 without keeping anything of a tile but its joined features (merged and deepstack, side by side: `out_hidden x (1 +
 levels)` per merged token; Qwen3-VL-8B: 4,096 numbers per patch, against 31,104 for its 27 blocks' checkpoints), and in
 backward recomputes each tile with gradients and back-propagates its rows of the features' gradient before the next
@@ -13,9 +13,12 @@ are alive at a time.
 
 The whole tiled pass runs inside one call of the tower module: `encode_items` calls the tower once with the tiles
 (`TILES_KWARG`), and its patched forward (`forward/vision.tower_forward`) runs this function, whose `encode` calls
-the tower's unhooked forward per tile. Each parameter's gradient is summed over the tiles inside the function and
-returned once, as the gradient of that input: autograd accumulates it into `.grad` once per backward (per tower
-call), as the untiled tower does, so the hooks of DDP and ZeRO-2 see one gradient.
+the tower's unhooked forward per tile. The recomputation is the package's one tiled recompute (`tiled_recompute.py`,
+shared with the MLPs and norms; the tower's specifics are its arguments: each tile's pixel rows moved when it runs,
+checkpointing off inside a tile, the random state replayed, the anchor). Each parameter's gradient is summed over the
+tiles inside the function, in fp32, cast once to the parameter's dtype, and returned once, as the gradient of that
+input: autograd accumulates it into `.grad` once per backward (per tower call), as the untiled tower does, so the
+hooks of DDP and ZeRO-2 see one gradient, and in bf16 it is as near the exact gradient as the untiled tower's.
 
 ZeRO-3: under CP with tiling on the DeepSpeed integration makes the tower a ZeRO-3 leaf module before the engine
 registers its hooks (`gather_whole_towers_under_zero3`): its weights are gathered whole once per tower call, in
@@ -33,9 +36,10 @@ leaf's parameters at their accumulation instead would see one summed gradient pe
 counts the gathered tower beside a tile's recompute (`planning.memory`).
 
 A tower whose parameters ZeRO-3 gathers module by module (not a leaf: tiling was off at `deepspeed.initialize`) or
-that holds FSDP2 units (the newest Accelerate's policy wraps its blocks) runs untiled: their gathers would follow each
-rank's own number of tiles (different collectives on different ranks). A tower inside one FSDP2 unit (Accelerate
-1.11 wraps it with the root) is gathered whole with that unit, and tiles.
+that holds FSDP2 units (the newest Accelerate's policy wraps its blocks) runs untiled
+(`sharding.gathers_per_submodule_call`): their gathers would follow each rank's own number of tiles (different
+collectives on different ranks). A tower inside one FSDP2 unit (Accelerate 1.11 wraps it with the root) is gathered
+whole with that unit, and tiles.
 
 The ranks of a CP group take one path (`group_tiles`): when any rank's share makes several tiles, every rank runs its
 share through the function, in one tile if that is all it makes (a rank with nothing to encode: its placeholder as
@@ -70,7 +74,9 @@ import torch
 
 from .patching import cp_size
 from .settings import AUTO, SETTINGS
+from .sharding import gathers_per_submodule_call, make_zero3_leaf
 from .stats import TileCounts
+from .tiled_recompute import TiledWork, recompute_in_tiles
 
 MIN_TILE = 4096  # patches (1,024 merged tokens at merge 2): a tile's matmuls stay large
 
@@ -138,28 +144,6 @@ def plan_tiles(units: Sequence[tuple[int, int, int]], budget: int, merge_unit: i
 VISION_TILES = TileCounts(facts_key="cp_vision_tiles_per_call")
 
 
-def autocast_of(device: torch.device) -> dict:
-    """The autocast state of `device`'s type now, to run a tile's recomputation in backward as its forward ran (the
-    tower's tiles here, the MLPs' in `tiles.py`)."""
-    kind = device.type
-    return {"device_type": kind, "enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind)}
-
-
-def _rng_state(device: torch.device) -> tuple:
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-@contextlib.contextmanager
-def _replayed_rng(state: tuple, device: torch.device):
-    """The random state `state` while the block runs; the caller's state untouched after it."""
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield
-
-
 @contextlib.contextmanager
 def without_checkpointing(tower: torch.nn.Module):
     """The tower's modules with their gradient checkpointing off while the block runs: a tile is the recomputation
@@ -174,91 +158,22 @@ def without_checkpointing(tower: torch.nn.Module):
             m.gradient_checkpointing = True
 
 
-class VisionTiles(torch.autograd.Function):
+def vision_in_tiles(encode: Callable[[Tile, torch.Tensor], torch.Tensor], tower: torch.nn.Module,
+                    tiles: Sequence[Tile], placement: dict, pixels: torch.Tensor, anchor: torch.Tensor | None,
+                    params: Sequence[torch.Tensor]) -> torch.Tensor:
     """`encode(tile, pixels[tile.rows])` for each tile, its rows of the output at `tile.merged`.
 
-    Inputs: `encode` (the tower on one tile: (patches, width) -> joined features (merged tokens, features); reads
-    `params`), `tower` (its checkpointing switched off meanwhile), `tiles` (`plan_tiles`), `placement` (the tower's
-    device and dtype), `pixels` (the share's rows, wherever the caller has them: each tile's rows are moved to
-    `placement` when the tile runs, in forward and again in backward), `anchor` (None, or an empty tensor whose
-    gradient — empty — is returned with the parameters': a ZeRO-3 leaf's hook waits for it, module docstring), then
-    the `params`. Output: (the share's merged tokens, features). Saves `pixels` only; backward recomputes tile by
-    tile and returns each parameter's gradient summed over the tiles (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, encode: Callable, tower, tiles: Sequence[Tile], placement: dict, pixels: torch.Tensor,
-                anchor: torch.Tensor | None, *params):
-        ctx.encode, ctx.tower, ctx.tiles, ctx.params, ctx.placement = encode, tower, tiles, params, placement
-        ctx.anchor = None if anchor is None else (anchor.shape, anchor.dtype, anchor.device)
-        device = placement["device"]
-        ctx.autocast = autocast_of(device)
-        ctx.save_for_backward(pixels)
-        ctx.rng = []
-        out = None
-        with without_checkpointing(tower):
-            for tile in tiles:
-                ctx.rng.append(_rng_state(device))
-                piece = encode(tile, pixels[slice(*tile.rows)].to(**placement))
-                if out is None:
-                    out = piece.new_empty((tiles[-1].merged[1], *piece.shape[1:]))
-                out[slice(*tile.merged)] = piece
-                del piece  # the tile's activations go before the next tile runs
-                VISION_TILES.forward_tiles += 1
-        VISION_TILES.calls += 1
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        (pixels,), params = ctx.saved_tensors, ctx.params
-        want_pixels, wants = ctx.needs_input_grad[4], ctx.needs_input_grad[6:]
-        pixel_grad = torch.zeros_like(pixels) if want_pixels else None
-        param_grads: list[torch.Tensor | None] = [None] * len(params)
-        sources = [p for p, want in zip(params, wants) if want]
-        for tile, rng in zip(ctx.tiles, ctx.rng):
-            piece = pixels[slice(*tile.rows)].detach().requires_grad_(want_pixels)
-            with torch.enable_grad(), torch.autocast(**ctx.autocast), without_checkpointing(ctx.tower), \
-                    _replayed_rng(rng, ctx.placement["device"]):
-                out = ctx.encode(tile, piece.to(**ctx.placement))
-            inputs = [piece] if want_pixels else []
-            grads = torch.autograd.grad(out, inputs + sources, grad_out[slice(*tile.merged)], allow_unused=True)
-            del out
-            if want_pixels:
-                pixel_grad[slice(*tile.rows)] = grads[0]
-                grads = grads[1:]
-            for i, grad in zip([i for i, want in enumerate(wants) if want], grads):
-                if grad is None:
-                    continue
-                param_grads[i] = grad if param_grads[i] is None else param_grads[i].add_(grad)
-            VISION_TILES.backward_tiles += 1
-        anchor_grad = None
-        if ctx.anchor is not None and ctx.needs_input_grad[5]:
-            shape, dtype, device = ctx.anchor
-            anchor_grad = torch.zeros(shape, dtype=dtype, device=device)
-        return None, None, None, None, pixel_grad, anchor_grad, *param_grads
-
-
-def zero3_partitioned(module: torch.nn.Module) -> bool:
-    """Whether ZeRO-3 partitions some of the module's parameters (it gathers them around the module calls)."""
-    return any(hasattr(p, "ds_id") for p in module.parameters())
-
-
-def zero3_leaf(tower: torch.nn.Module) -> bool:
-    """Whether ZeRO-3 partitions the tower's parameters and gathers them whole, once per call of the tower (a leaf
-    module: `gather_whole_towers_under_zero3`)."""
-    return getattr(tower, "_z3_leaf", False) and zero3_partitioned(tower)
-
-
-def _sharded_per_module(tower: torch.nn.Module) -> bool:
-    """Whether ZeRO-3 partitions the tower's parameters and gathers them module by module (not a leaf), or FSDP2
-    shards its modules: their gathers follow the module calls, and ranks with different numbers of tiles would issue
-    different collectives."""
-    if zero3_partitioned(tower):
-        return not getattr(tower, "_z3_leaf", False)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return False
-    return any(isinstance(m, FSDPModule) for m in tower.modules())
+    `encode`: the tower on one tile, (patches, width) -> joined features (merged tokens, features), reading `params`;
+    `tower`: its checkpointing switched off while a tile runs; `tiles`: `plan_tiles`; `placement`: the tower's device
+    and dtype; `pixels`: the share's rows, wherever the caller has them (each tile's rows are moved to `placement` when
+    the tile runs, in forward and again in backward); `anchor`: None, or an empty tensor whose gradient — empty — is
+    returned with the parameters' (a ZeRO-3 leaf's hook waits for it, module docstring). Output: (the share's merged
+    tokens, features). Keeps `pixels` only; backward recomputes tile by tile, replaying each tile's random state, and
+    returns each parameter's gradient summed over the tiles in fp32, cast once (`tiled_recompute.RecomputedTiles`)."""
+    work = TiledWork(fn=lambda k, rows: encode(tiles[k], rows), spans=[(t.rows, t.merged) for t in tiles],
+                     counts=VISION_TILES, device=placement["device"], place=lambda rows: rows.to(**placement),
+                     scope=lambda: without_checkpointing(tower), replay_rng=True)
+    return recompute_in_tiles(work, [pixels], params, anchor)
 
 
 def tiling_applies(tower: torch.nn.Module) -> bool:
@@ -267,7 +182,7 @@ def tiling_applies(tower: torch.nn.Module) -> bool:
     from .by_need import vision_tiles_on  # set, or chosen by need under CP
 
     return (cp_size() > 1 and vision_tiles_on() and not torch.compiler.is_compiling()
-            and not _sharded_per_module(tower))
+            and not gathers_per_submodule_call(tower))
 
 
 def _tiles_of(config, units: Sequence[tuple[int, int, int]]) -> list[Tile]:
@@ -297,7 +212,7 @@ def encode_in_tiles(tower, pixels: torch.Tensor, units: Sequence[tuple[int, int,
     """The joined features (merged tokens, features) of a share by items — `pixels` (patches, width) its rows,
     `units` [(frames, height, width)] its grid — computed in tiles (one if that is all it makes: `group_tiles`
     decides for the group); `encode(pixels, grid_thw)` runs the tower's unhooked forward and returns the joined
-    features; `anchor`: a ZeRO-3 leaf tower's (`VisionTiles`). Called inside the tower's call (module docstring).
+    features; `anchor`: a ZeRO-3 leaf tower's (`vision_in_tiles`). Called inside the tower's call (module docstring).
     `pixels` may be on the host (the integrations leave them there under CP): each tile's rows go to the tower's
     device and dtype when the tile runs, so the device never holds the whole share's pixels."""
     tiles = _tiles_of(tower.config, units)
@@ -308,7 +223,7 @@ def encode_in_tiles(tower, pixels: torch.Tensor, units: Sequence[tuple[int, int,
         return encode(rows, torch.tensor(tile.grid, device=device))
 
     params = [p for p in tower.parameters() if p.requires_grad]
-    return VisionTiles.apply(encode_tile, tower, tiles, placement, pixels, anchor, *params)
+    return vision_in_tiles(encode_tile, tower, tiles, placement, pixels, anchor, params)
 
 
 def tower_placement(tower) -> dict:
@@ -329,7 +244,7 @@ def gather_whole_towers_under_zero3(model: torch.nn.Module | None) -> None:
         return
     for module in model.modules():
         if type(module).__name__ in VISION_TOWER_CLASSES:
-            module._z3_leaf = True  # deepspeed.utils.set_z3_leaf_module, read when ZeRO-3 registers its hooks
+            make_zero3_leaf(module)
 
 
 class Tied(torch.autograd.Function):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ..collectives.communication import all_gather_small
-from ..distributed import is_partitioned
 from ..errors import CPInputError, UnsupportedSetupError
+from ..sharding import is_partitioned
 from .plan import ForwardPlan
 
 # The forward arguments fingerprinted in their own slot; any other tensor argument shares the last one.

@@ -51,9 +51,10 @@ from ..context import CTX_KWARG, CPContext, current_cp_forward
 from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
 from ..layout import BY_ITEMS, EVERY_ITEM, VisionShare, round_up, segments_from_lengths, shard_slice
+from ..sharding import zero3_leaf
 from ..stats import STATS
 from ..supported import family_of
-from ..vision_tiles import TILES_KWARG, Tied, encode_in_tiles, group_tiles, tower_placement, zero3_leaf
+from ..vision_tiles import TILES_KWARG, Tied, encode_in_tiles, group_tiles, tower_placement
 from .arguments import call_arguments
 
 # Keyword arguments that precompute per-patch tables for the whole batch: under CP each rank computes those of
@@ -316,7 +317,7 @@ _ANCHORED: contextvars.ContextVar = contextvars.ContextVar("vlmcp_anchored_tower
 
 
 def tower_call(wrapped, instance, args, kwargs):
-    """A vision tower's `__call__` (wrapt's convention). A ZeRO-3 leaf tower (`vision_tiles.zero3_leaf`: under CP
+    """A vision tower's `__call__` (wrapt's convention). A ZeRO-3 leaf tower (`sharding.zero3_leaf`: under CP
     with vision tiling on) called with gradients gets one more positional argument, an empty tensor that requires a
     gradient: its anchor. Everything else: the stock call.
 

@@ -28,7 +28,6 @@ from ..distributed import (
     cp_requested,
     data_parallel_world_size,
     distributed_ready,
-    sharded_by_fsdp2,
     world_group,
 )
 from ..flags import GENERATING, VISION_PLACEHOLDERS, scoped
@@ -37,6 +36,7 @@ from ..forward.batch import batch_device
 from ..forward.vision import placeholder_vision_inputs
 from ..patching import Patch
 from ..settings import SETTINGS
+from ..sharding import fsdp2_units_within
 from ..stats import STATS
 from ..supported import FAMILIES
 
@@ -52,7 +52,7 @@ def matching_required(model) -> bool:
         # generate() decodes each rank alone (CP bypassed); only FSDP2 still gathers the tower's weights per module
         # there (ZeRO-3 weights are gathered for the whole generation by TRL, DDP's are local)
         # (generate() runs inside `disabled()`: the configured CP size, not cp_requested())
-        return bool(setting or SETTINGS.cp_size > 1) and sharded_by_fsdp2(model.visual)
+        return bool(setting or SETTINGS.cp_size > 1) and fsdp2_units_within(model.visual)
     # not the grad mode, which is this process's own: whether the world all-reduce runs may depend only on what every
     # rank shares (the settings, the launch); in a forward without gradients the placeholder pass costs one token
     return bool(setting) or cp_requested()
