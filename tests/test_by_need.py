@@ -238,3 +238,17 @@ def test_switches_by_need_at_three_budgets_and_a_refusal(once):
             assert "fits without switches" in roomy["lines"][0]
         else:
             assert all(not run["lines"] for run in (roomy, medium, tight)), rank
+
+
+@pytest.mark.integration
+def test_the_benchmark_prints_the_ratio_and_the_choice_time():
+    """`python -m benchmarks.by_need --dry-run` runs its three setups end to end and prints the ratio against untiled
+    CP and the choice's own time per forward (the numbers in docs/memory.md come from its full run)."""
+    from tests.helpers.harness import ROOT, launch
+
+    run = launch(ROOT / "benchmarks" / "by_need.py", ["--dry-run"], launcher="python", timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ratios = re.findall(r"ratio by need \(roomy\) / untiled, (?:median|fastest): ([\d.]+)", run.stdout)
+    assert len(ratios) == 2 and all(float(r) > 0 for r in ratios), run.stdout
+    choice = re.search(r"the choice per forward: ([\d.]+) ms", run.stdout)
+    assert choice and float(choice.group(1)) > 0, run.stdout
