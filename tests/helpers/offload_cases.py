@@ -196,7 +196,7 @@ def random_leases(pool, seed: int, rounds: int = 150) -> None:
     pool.check()
 
 
-# -- the paths that free checkpoints out of order (issue 54): the values and the pool's state after each -----------------
+# -- the paths that free checkpoints out of order (issue 54): the values and the pool's state after each ---------------
 
 
 def grads_of(model) -> dict:
