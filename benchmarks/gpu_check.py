@@ -440,11 +440,11 @@ def tiled_mlp(setup: Setup) -> None:
 
 def recomputed_norm(setup: Setup) -> None:
     """Section 10: one RMSNorm of Qwen3-VL-8B's width over a long slice, stock and recomputed in row tiles as the
-    package runs it under CP (`TokenwiseTiles`, the tiles of `recomputed_norm_forward`): what autograd keeps for
+    package runs it under CP (`tokenwise_tiles`, the tiles of `recomputed_norm_forward`): what autograd keeps for
     backward, the step time, the gradients."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
-    from vlmcp_patch.tiles import NORM_BACKWARD_WIDTH, NORMS, TokenwiseTiles, tile_bounds, tile_tokens
+    from vlmcp_patch.tiles import NORM_BACKWARD_WIDTH, NORMS, tile_bounds, tile_tokens, tokenwise_tiles
 
     tokens, hidden = (4096, 64) if setup.dry_run else (131072, 4096)
     setup.say(f"== 10. recomputed RMSNorm: {tokens} tokens of width {hidden}, stock and recomputed in row tiles")
@@ -465,7 +465,7 @@ def recomputed_norm(setup: Setup) -> None:
             xs = x.detach().requires_grad_()
             kept.clear()
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                out = TokenwiseTiles.apply(norm, bounds, NORMS, 1, xs, norm.weight) if recomputed else norm(xs)
+                out = tokenwise_tiles(norm, bounds, NORMS, [xs], [norm.weight]) if recomputed else norm(xs)
             out.backward(grad_out)
             return xs.grad
 
