@@ -18,7 +18,7 @@ from-import or an alias; the package is already imported when a spawned rank unp
 checker too.
 
 The rule a checker applies, from the frame that called it: instrumentation frames are skipped (this module, the
-tests' probes in `vlmcp_patch.fixtures`, Dynamo's); if the caller is a frame of the package, the call must be made
+tests' probes in `vlmcp_patch.fixtures`); if the caller is a frame of the package, the call must be made
 by the wrapper's `raising` itself (a callable it was handed, e.g. a `functools.partial`) or by the function `raising`
 called (the `run=lambda: ...` handed to `communicate` or `raising`), with only frames outside the package between
 them (torch.compile's eager-disable wrapper). Anything else is recorded (`violations()`), and the rank fails at the
@@ -40,12 +40,12 @@ import torch
 PACKAGE = "vlmcp_patch"
 WRAPPER = ("vlmcp_patch.collectives.communication", "raising")
 # Frames that only pass a call on: this module's checkers, the tests' and benchmarks' probes (they wrap
-# torch.distributed's functions too), Dynamo's frame evaluation.
-INSTRUMENTATION = (__name__, "vlmcp_patch.fixtures", "torch._dynamo")
+# torch.distributed's functions too).
+INSTRUMENTATION = (__name__, "vlmcp_patch.fixtures")
 # Not the runtime: the demo is a user's main job (its own init_process_group, its final barrier).
 OUTSIDE_THE_RUNTIME = ("vlmcp_patch.demo",)
 
-# What does not communicate: queries of the process groups and the environment, their settings, their teardown.
+# What does not communicate ("module": in every module checked): queries of the process groups and the environment, their settings, their teardown.
 LOCAL = {
     "module": {
         "get_rank", "get_world_size", "is_initialized", "is_available", "get_backend", "get_backend_config",
@@ -111,7 +111,7 @@ def _through_the_wrapper(caller) -> bool:
 
 
 def _check(spelled: str) -> None:
-    caller = sys._getframe(2)  # the checker's caller
+    caller = sys._getframe(1)  # the checker's, then its caller: instrumentation
     while caller is not None and _under(_module_of(caller), INSTRUMENTATION):
         caller = caller.f_back
     if caller is None or not _in_package(caller):
@@ -122,20 +122,16 @@ def _check(spelled: str) -> None:
         _violations[(spelled, caller.f_code.co_filename, caller.f_lineno, caller.f_code.co_name)] += 1
 
 
-def _checker(spelled: str, original, method: bool):
+def _checker(spelled: str, original):
     """`original`, called as before, checked first (`_check`); one checker per callable."""
     if id(original) in _checkers:
         return _checkers[id(original)]
-    if method:
-        def checked(self, *args, **kwargs):
-            if not torch.compiler.is_compiling():
-                _check(spelled)
-            return original(self, *args, **kwargs)
-    else:
-        def checked(*args, **kwargs):
-            if not torch.compiler.is_compiling():
-                _check(spelled)
-            return original(*args, **kwargs)
+
+    def checked(*args, **kwargs):  # as a class's attribute, a method: `self` is args[0]
+        if not torch.compiler.is_compiling():
+            _check(spelled)
+        return original(*args, **kwargs)
+
     functools.update_wrapper(checked, original)
     checked.__vlmcp_checked__ = original
     _checkers[id(original)] = checked
@@ -168,7 +164,7 @@ def _wrap_modules() -> None:
 
     for module, private in ((dist, True), (funcol, False), (dist_nn_functional, False), (dist_nn, False)):
         for name, value in _module_functions(module, private).items():
-            setattr(module, name, _checker(f"{module.__name__}.{name}", value, method=False))
+            setattr(module, name, _checker(f"{module.__name__}.{name}", value))
     _rebind([c10d])  # the same functions, by the names torch's own code calls them
 
 
@@ -183,7 +179,7 @@ def _wrap_classes() -> None:
                 continue
             if (only is not None and name not in only) or (only is None and name in LOCAL[cls.__name__]):
                 continue
-            setattr(cls, name, _checker(f"{cls.__name__}.{name}", getattr(cls, name), method=True))
+            setattr(cls, name, _checker(f"{cls.__name__}.{name}", getattr(cls, name)))
 
 
 def _wrap_ops() -> None:
