@@ -12,6 +12,7 @@ from .compat import UntestedVersionWarning, check_transformers_version, warn_if_
 
 check_transformers_version()
 
+from . import by_need as _by_need  # noqa: E402 (registers the choice by need with `switches`)
 from . import models as _models  # noqa: E402
 from .attention import flash as _flash  # noqa: E402
 from .attention import registry as _attention_registry  # noqa: E402

@@ -12,7 +12,7 @@ At every CP forward, before any compute (`choose_switches`, called by `forward.t
    checkpoint offload as set;
 2. the room is read: the free device memory (`torch.cuda.mem_get_info`, plus what torch's allocator holds unused),
    capped by `VLMCP_DEVICE_MEMORY_GIB` where set (on a CPU that budget is the only limit: without it nothing is
-   switched on by need), less a margin (`MARGIN` of the device's memory) and less the parameter gradients still to
+   switched on by need), less a margin (the plan's `DEVICE_MARGIN` of the device's memory) and less the parameter gradients still to
    come (trained parameters without a `.grad` yet: the backward allocates them beside the activations). The ranks
    agree on the smallest room in the group: one all-reduce of one number, issued by every rank at every CP forward,
    so no rank tiles alone;
@@ -36,153 +36,31 @@ At P=1 nothing is decided: only explicit switches act there (`in_effect`), and t
 
 from __future__ import annotations
 
-import logging
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from .errors import UnsupportedSetupError
-from .patching import cp_size
-from .settings import AUTO, ON, SETTINGS
-
-LOGGER = logging.getLogger("vlmcp_patch")
-GIB = 2**30
-# The device memory kept free beyond the predicted peak, as a share of the device's memory: the plan's own margin
-# (`planning.DEVICE_MARGIN`, 5 %), this value where the plan has none
-MARGIN = 0.05
-# Tokens per chunk of the fused head when the row needs a smaller one than the automatic rule's (docs/memory.md: at
-# 256 tokens the head's chunk no longer sets the peak)
-SMALL_LOSS_CHUNK = 256
-# Cheapest first: a smaller head chunk (the same FLOPs in more matmuls), the RMSNorms recomputed (x1.415 on the norms,
-# a few % of a step), the vision tower in tiles (one more forward of the tower without checkpointing, none with it:
-# the tiles' recompute replaces the blocks'), the MLPs in tiles (x1.401 on the MLPs, most of a step's matmuls)
-SWITCHES = ("loss_chunk", "norms", "vision", "mlp")
-LABELS = {"loss_chunk": "small loss chunk", "norms": "norm recompute", "vision": "vision tiles", "mlp": "MLP tiles"}
-VARIABLES = {"loss_chunk": "VLMCP_LOSS_CHUNK", "norms": "VLMCP_RECOMPUTE_NORMS", "vision": "VLMCP_VISION_TILE_PATCHES",
-             "mlp": "VLMCP_MLP_TILE_TOKENS"}
-
-
-@dataclass(frozen=True)
-class Switches:
-    loss_chunk: bool = False
-    norms: bool = False
-    vision: bool = False
-    mlp: bool = False
-
-    def on(self) -> list[str]:
-        return [f.name for f in fields(self) if getattr(self, f.name)]
-
-    def cost(self) -> int:
-        """The order of cost: each switch costs more than all cheaper ones together (`SWITCHES`)."""
-        return sum(2**i for i, name in enumerate(SWITCHES) if getattr(self, name))
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What a CP forward runs with and why: the switches in effect (explicit ones included), the predicted peak of the
-    step's activations (bytes, beside what was allocated before it), the agreed room (None: no limit known), the row
-    and the layout priced."""
-
-    switches: Switches
-    explicit: tuple[str, ...]
-    why: str
-    peak: float
-    room: float | None
-    tokens: int
-    patches: int
-    size: int
-    ulysses: int
-    ring: int
-    replicas: int
-
-    def line(self) -> str:
-        """The one log line (module docstring)."""
-        states = []
-        for name in SWITCHES:
-            state = "on" if getattr(self.switches, name) else "off"
-            states.append(f"{LABELS[name]} {state}{' (set)' if name in self.explicit else ''}")
-        room = "no limit known" if self.room is None else f"{size_text(self.room)} free after the margin"
-        replicas = f"{self.replicas} data replica{'s' if self.replicas != 1 else ''}"
-        return (f"vlmcp_patch: CP on, P={self.size} (U x R = {self.ulysses} x {self.ring}), {replicas}; "
-                f"{', '.join(states)}: {self.why}; predicted peak {size_text(self.peak)} ({room}); row "
-                f"{self.tokens:,} tokens, {self.patches:,} patches")
-
-
-class _State:
-    choice: Choice | None = None  # the last CP forward's
-    logged: Switches | None = None  # what this process's line last said
-    p1_logged: bool = False
-
-
-STATE = _State()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# What the settings force, and what is in effect now
-
-
-def explicit(name: str) -> bool | None:
-    """What the settings force for switch `name`: True / False, or None (chosen by need)."""
-    if name == "mlp":
-        value = SETTINGS.mlp_tile_tokens
-    elif name == "vision":
-        value = SETTINGS.vision_tile_patches
-    elif name == "norms":
-        return None if SETTINGS.recompute_norms == AUTO else SETTINGS.recompute_norms
-    else:  # a chunk set by hand is the chunk: no smaller one by need
-        return False if SETTINGS.loss_chunk_tokens else None
-    return None if value == AUTO else value != 0
-
-
-def in_effect(name: str) -> bool:
-    """Whether switch `name` acts now: as set, at any P; chosen by need under CP (the last CP forward's choice); off
-    at P=1 unless set. An explicit switch acting at P=1 logs one line, once."""
-    forced = explicit(name)
-    if forced is not None:
-        if forced and cp_size() == 1 and name != "loss_chunk":
-            _log_p1_once(name)
-        return forced
-    return cp_size() > 1 and STATE.choice is not None and getattr(STATE.choice.switches, name)
-
-
-def mlp_tiles_on() -> bool:
-    return in_effect("mlp")
-
-
-def norms_recompute_on() -> bool:
-    return in_effect("norms")
-
-
-def vision_tiles_on() -> bool:
-    return in_effect("vision")
-
-
-def loss_chunk_tokens() -> int:
-    """Tokens per chunk of the fused head: as set, else the small chunk where the row needs it, else 0 (the
-    automatic rule, `loss.chunk_tokens`)."""
-    return SETTINGS.loss_chunk_tokens or (SMALL_LOSS_CHUNK if in_effect("loss_chunk") else 0)
-
-
-def size_setting(configured: int | str) -> int | str:
-    """A tile size setting as the size rules read it: `ON` and `AUTO` both size automatically."""
-    return AUTO if configured == ON else configured
-
-
-def size_text(nbytes: float) -> str:
-    """Bytes as GiB, or MiB below one GiB."""
-    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"
-
-
-def _log_p1_once(name: str) -> None:
-    if STATE.p1_logged or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
-        return
-    STATE.p1_logged = True
-    LOGGER.warning("vlmcp_patch: CP off (P=1); %s on as set (%s=%s)", LABELS[name], VARIABLES[name],
-                   {"mlp": SETTINGS.mlp_tile_tokens, "vision": SETTINGS.vision_tile_patches,
-                    "norms": 1}[name])
-
+from .settings import SETTINGS
+from .switches import (  # noqa: F401 (the state and the switches' names, read through this module by its users)
+    CHOOSER,
+    GIB,
+    LABELS,
+    LOGGER,
+    SMALL_LOSS_CHUNK,
+    STATE,
+    SWITCHES,
+    VARIABLES,
+    Choice,
+    Switches,
+    explicit,
+    in_effect,
+    loss_chunk_tokens,
+    size_setting,
+    size_text,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Pricing: the plan's model of the live model and row
@@ -191,18 +69,16 @@ def _log_p1_once(name: str) -> None:
 def training_of(model, switches: Switches):
     """The plan's `Training` of this step: checkpointing as the model has it, the offload as set, the sharding the
     parameters show (ZeRO-3, FSDP2, else whole), the head frozen or not, and the switches (explicit sizes kept)."""
-    from torch.distributed.fsdp import FSDPModule
-
     from .distributed import data_parallel_world_size
     from .planning import Training
+    from .sharding import fsdp2_units_within, zero3_partitioned
 
     params = list(model.parameters())
-    sharding = ("zero3" if any(hasattr(p, "ds_id") for p in params) else
-                "fsdp" if any(isinstance(m, FSDPModule) for m in model.modules()) else "none")
+    sharding = "zero3" if zero3_partitioned(model) else "fsdp" if fsdp2_units_within(model) else "none"
     checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     head = getattr(model, "lm_head", None)
     frozen = head is not None and not any(p.requires_grad for p in head.parameters())
-    sized = lambda value: value if isinstance(value, int) and value > 0 else None  # noqa: E731
+    sized = lambda value: value if isinstance(value, int) and value > 0 else None
     chunk = SETTINGS.loss_chunk_tokens or (SMALL_LOSS_CHUNK if switches.loss_chunk else 0)  # 0: the automatic rule
     return Training(
         sharding=sharding, gradient_checkpointing=checkpointing,
@@ -271,18 +147,18 @@ def _local_numel(param: torch.Tensor) -> int:
 
 
 def margin() -> float:
-    """The share of the device's memory kept free (`MARGIN`)."""
-    from . import planning
+    """The share of the device's memory kept free: the plan's own margin, so `plan` and the run agree."""
+    from .planning.hardware import DEVICE_MARGIN
 
-    return getattr(planning, "DEVICE_MARGIN", MARGIN)
+    return DEVICE_MARGIN
 
 
-def agreed_room(room: float | None, cp) -> float | None:
+def agreed_room(room: float | None, cp, device: torch.device) -> float | None:
     """The smallest room of the CP group (None on every rank where none knows a limit): one all-reduce of one number,
-    through the package's collective wrapper."""
+    through the package's collective wrapper, on `device` (the model's: NCCL reduces device tensors only)."""
     from .collectives.communication import communicate
 
-    value = torch.tensor([math.inf if room is None else room], dtype=torch.float64)
+    value = torch.tensor([math.inf if room is None else room], dtype=torch.float64, device=device)
     if cp.group is not None and cp.size > 1:
         communicate("all-reduce", cp.group, 1,
                     lambda: dist.all_reduce(value, op=dist.ReduceOp.MIN, group=cp.group))
@@ -331,7 +207,7 @@ def _scaled(row, factor: float):
 def longest_fitting(dims, row, training, size: int, ulysses: int, room: float) -> int:
     """The longest row of this row's proportions (text and vision alike) that fits `room` with `training`: tokens,
     to within 1 %."""
-    fits = lambda f: predicted_peak(dims, _scaled(row, f), training, size, ulysses) <= room  # noqa: E731
+    fits = lambda f: predicted_peak(dims, _scaled(row, f), training, size, ulysses) <= room
     low, high = 0.0, 1.0
     while low == 0.0 and high > 1e-6:
         if fits(high):
@@ -391,7 +267,8 @@ def choose_switches(model, call: dict, ctx) -> Choice:
         # a forward without a graph (a reference model's, an evaluation) keeps the choice a training forward's backward
         # may still recompute with; the same on every rank of the group (the same code runs there), no all-reduce
         return STATE.choice
-    room = agreed_room(local_room(model, _device_of(model)), ctx.cp)
+    device = _device_of(model)
+    room = agreed_room(local_room(model, device), ctx.cp, device)
     dims = _dims(model, dims_from_config)
     merge = dims.merge
     row = row_of_call(call, ctx.seq_len, ctx.segments, merge)
@@ -429,3 +306,6 @@ def facts() -> dict:
         return {}
     return {**{f"cp_{name}_on": int(getattr(choice.switches, name)) for name in SWITCHES},
             "cp_predicted_peak_gib": round(choice.peak / GIB, 3)}
+
+
+CHOOSER[:] = [choose_switches]  # the forward asks through `switches.choose_switches`

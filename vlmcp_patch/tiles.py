@@ -102,7 +102,7 @@ def tokenwise_tiles(fn: Callable, bounds: Sequence[tuple[int, int]], counts: Til
 def tiling_applies() -> bool:
     """Whether the MLPs run in tiles now: set (`VLMCP_MLP_TILE_TOKENS`, at any P) or chosen by need under CP
     (`by_need.py`), not while torch.compile traces."""
-    from .by_need import mlp_tiles_on
+    from .switches import mlp_tiles_on
 
     return mlp_tiles_on() and not torch.compiler.is_compiling()
 
@@ -111,7 +111,7 @@ def run_in_tiles(fn: Callable, tiled: Sequence[torch.Tensor], module: torch.nn.M
                  intermediate_width: int) -> torch.Tensor | None:
     """`fn(*tiled)` over tiles of the tokens (dim 0 of every `tiled` tensor), fn reading `module`'s parameters; None
     when the tokens make one tile (the caller then runs its stock forward)."""
-    from .by_need import size_setting  # "on" sizes like "auto"
+    from .switches import size_setting  # "on" sizes like "auto"
 
     tokens = tiled[0].shape[0]
     size = mlp_tile_tokens(tokens, hidden_size, intermediate_width, size_setting(SETTINGS.mlp_tile_tokens))
@@ -189,7 +189,7 @@ def tiled_experts_forward(wrapped, instance, args, kwargs):
 def norms_recompute_applies() -> bool:
     """Whether the RMSNorms run as recomputed tiles now: set (`VLMCP_RECOMPUTE_NORMS=1`, at any P) or chosen by
     need under CP (`by_need.py`), a graph being recorded, not while torch.compile traces."""
-    from .by_need import norms_recompute_on
+    from .switches import norms_recompute_on
 
     return norms_recompute_on() and torch.is_grad_enabled() and not torch.compiler.is_compiling()
 

@@ -179,7 +179,7 @@ def vision_in_tiles(encode: Callable[[Tile, torch.Tensor], torch.Tensor], tower:
 def tiling_applies(tower: torch.nn.Module) -> bool:
     """Whether the tower runs in tiles now: under CP, tiling not turned off, not while torch.compile traces, its
     parameters not gathered per module (module docstring)."""
-    from .by_need import vision_tiles_on  # set, or chosen by need under CP
+    from .switches import vision_tiles_on  # set, or chosen by need under CP
 
     return (cp_size() > 1 and vision_tiles_on() and not torch.compiler.is_compiling()
             and not gathers_per_submodule_call(tower))
@@ -187,7 +187,7 @@ def tiling_applies(tower: torch.nn.Module) -> bool:
 
 def _tiles_of(config, units: Sequence[tuple[int, int, int]]) -> list[Tile]:
     """The tiles of a share whose units are `units` [(frames, height, width)], by the automatic or configured size."""
-    from .by_need import size_setting  # "on" sizes like "auto"
+    from .switches import size_setting  # "on" sizes like "auto"
 
     patches = sum(t * h * w for t, h, w in units)
     budget = tile_patches(patches, vision_work_per_patch(config), kept_per_patch(config),

@@ -1,0 +1,159 @@
+"""The memory switches in effect: what the settings force, what the last CP forward chose by need (`by_need.py`
+chooses, from the plan's price of the row), and the one line that says so.
+
+The tiles (`tiles.py`, `vision_tiles.py`), the norms and the fused head read their switch here; the forward asks
+`choose_switches` before any compute. The choice itself needs the cost model (`planning/`), a layer above the forward:
+`by_need` registers it here when the package loads (`CHOOSER`), so this module stays below everything that reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+
+import torch.distributed as dist
+
+from .patching import cp_size
+from .settings import AUTO, ON, SETTINGS
+
+LOGGER = logging.getLogger("vlmcp_patch")
+GIB = 2**30
+# Tokens per chunk of the fused head when the row needs a smaller one than the automatic rule's (docs/memory.md: at
+# 256 tokens the head's chunk no longer sets the peak)
+SMALL_LOSS_CHUNK = 256
+# Cheapest first: a smaller head chunk (the same FLOPs in more matmuls), the RMSNorms recomputed (x1.415 on the norms,
+# a few % of a step), the vision tower in tiles (one more forward of the tower without checkpointing, none with it:
+# the tiles' recompute replaces the blocks'), the MLPs in tiles (x1.401 on the MLPs, most of a step's matmuls)
+SWITCHES = ("loss_chunk", "norms", "vision", "mlp")
+LABELS = {"loss_chunk": "small loss chunk", "norms": "norm recompute", "vision": "vision tiles", "mlp": "MLP tiles"}
+VARIABLES = {"loss_chunk": "VLMCP_LOSS_CHUNK", "norms": "VLMCP_RECOMPUTE_NORMS", "vision": "VLMCP_VISION_TILE_PATCHES",
+             "mlp": "VLMCP_MLP_TILE_TOKENS"}
+
+
+@dataclass(frozen=True)
+class Switches:
+    loss_chunk: bool = False
+    norms: bool = False
+    vision: bool = False
+    mlp: bool = False
+
+    def on(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+    def cost(self) -> int:
+        """The order of cost: each switch costs more than all cheaper ones together (`SWITCHES`)."""
+        return sum(2**i for i, name in enumerate(SWITCHES) if getattr(self, name))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a CP forward runs with and why: the switches in effect (explicit ones included), the predicted peak of the
+    step's activations (bytes, beside what was allocated before it), the agreed room (None: no limit known), the row
+    and the layout priced."""
+
+    switches: Switches
+    explicit: tuple[str, ...]
+    why: str
+    peak: float
+    room: float | None
+    tokens: int
+    patches: int
+    size: int
+    ulysses: int
+    ring: int
+    replicas: int
+
+    def line(self) -> str:
+        """The one log line (module docstring)."""
+        states = []
+        for name in SWITCHES:
+            state = "on" if getattr(self.switches, name) else "off"
+            states.append(f"{LABELS[name]} {state}{' (set)' if name in self.explicit else ''}")
+        room = "no limit known" if self.room is None else f"{size_text(self.room)} free after the margin"
+        replicas = f"{self.replicas} data replica{'s' if self.replicas != 1 else ''}"
+        return (f"vlmcp_patch: CP on, P={self.size} (U x R = {self.ulysses} x {self.ring}), {replicas}; "
+                f"{', '.join(states)}: {self.why}; predicted peak {size_text(self.peak)} ({room}); row "
+                f"{self.tokens:,} tokens, {self.patches:,} patches")
+
+
+class _State:
+    choice: Choice | None = None  # the last CP forward's
+    logged: Switches | None = None  # what this process's line last said
+    p1_logged: bool = False
+
+
+STATE = _State()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the settings force, and what is in effect now
+
+
+def explicit(name: str) -> bool | None:
+    """What the settings force for switch `name`: True / False, or None (chosen by need)."""
+    if name == "mlp":
+        value = SETTINGS.mlp_tile_tokens
+    elif name == "vision":
+        value = SETTINGS.vision_tile_patches
+    elif name == "norms":
+        return None if SETTINGS.recompute_norms == AUTO else SETTINGS.recompute_norms
+    else:  # a chunk set by hand is the chunk: no smaller one by need
+        return False if SETTINGS.loss_chunk_tokens else None
+    return None if value == AUTO else value != 0
+
+
+def in_effect(name: str) -> bool:
+    """Whether switch `name` acts now: as set, at any P; chosen by need under CP (the last CP forward's choice); off
+    at P=1 unless set. An explicit switch acting at P=1 logs one line, once."""
+    forced = explicit(name)
+    if forced is not None:
+        if forced and cp_size() == 1 and name != "loss_chunk":
+            _log_p1_once(name)
+        return forced
+    return cp_size() > 1 and STATE.choice is not None and getattr(STATE.choice.switches, name)
+
+
+def mlp_tiles_on() -> bool:
+    return in_effect("mlp")
+
+
+def norms_recompute_on() -> bool:
+    return in_effect("norms")
+
+
+def vision_tiles_on() -> bool:
+    return in_effect("vision")
+
+
+def loss_chunk_tokens() -> int:
+    """Tokens per chunk of the fused head: as set, else the small chunk where the row needs it, else 0 (the
+    automatic rule, `loss.chunk_tokens`)."""
+    return SETTINGS.loss_chunk_tokens or (SMALL_LOSS_CHUNK if in_effect("loss_chunk") else 0)
+
+
+def size_setting(configured: int | str) -> int | str:
+    """A tile size setting as the size rules read it: `ON` and `AUTO` both size automatically."""
+    return AUTO if configured == ON else configured
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes as GiB, or MiB below one GiB."""
+    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _log_p1_once(name: str) -> None:
+    if STATE.p1_logged or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        return
+    STATE.p1_logged = True
+    LOGGER.warning("vlmcp_patch: CP off (P=1); %s on as set (%s=%s)", LABELS[name], VARIABLES[name],
+                   {"mlp": SETTINGS.mlp_tile_tokens, "vision": SETTINGS.vision_tile_patches,
+                    "norms": 1}[name])
+
+
+CHOOSER: list = []  # by_need.choose_switches, registered when the package loads
+
+
+def choose_switches(model, call: dict, ctx):
+    """The switches of this CP forward, chosen by the registered chooser (`by_need.choose_switches`: its contract);
+    None where none is registered (the explicit settings alone act)."""
+    return CHOOSER[0](model, call, ctx) if CHOOSER else None
