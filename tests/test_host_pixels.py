@@ -118,10 +118,22 @@ def test_a_raw_loop_holds_its_share(cp_size, layout, tiles, family):
 def _launched(cp_size: int) -> Path:
     out = Path(tempfile.mkdtemp(prefix="host-pixels-"))
     procs, launcher = (cp_size, "torchrun") if cp_size > 1 else (1, "python")
-    run = launch(SCRIPT, [out, *STACKS], procs=procs, launcher=launcher, env={"VLMCP_CP_SIZE": str(cp_size)},
+    run = launch(SCRIPT, [out, *STACKS, "accelerate_prefetch"], procs=procs, launcher=launcher, env={"VLMCP_CP_SIZE": str(cp_size)},
                  timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return out
+
+
+@pytest.mark.integration
+def test_a_prefetched_batch_is_cut_as_it_is_collated(once):
+    """Accelerate's loader holds the next micro-batch while one runs: both hold this rank's share only (cut by the
+    collator's wrapper, not only when `send_to_device` hands the batch over), so two batches' bound."""
+    cut, stock = once(_launched, 2), once(_launched, 1)
+    for rank in range(2):
+        held = json.loads((cut / f"accelerate_prefetch.rank{rank}.json").read_text())
+        assert held["alive"] <= 2 * held["bound"] < held["whole"] * (1 + 1 / 2), held  # prefetched whole: 1.5 x
+    whole = json.loads((stock / "accelerate_prefetch.rank0.json").read_text())
+    assert whole["alive"] >= 2 * whole["whole"], whole
 
 
 @pytest.mark.integration

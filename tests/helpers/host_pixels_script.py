@@ -1,6 +1,7 @@
 """Host pixel values at 1/P through each training stack: one step of the HF Trainer (DDP), a raw Accelerate loop (a
 prepared data loader) and a raw loop with `batch = vlmcp_patch.batch_to_device(batch, device)`, on a data set of one
-micro-batch (two samples; images and a video).
+micro-batch (two samples; images and a video); and Accelerate's loop over two such micro-batches (`accelerate_prefetch`:
+the second one prefetched while the first runs).
 
     [VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2] tests/helpers/host_pixels_script.py OUT_DIR STACK...
 
@@ -35,18 +36,24 @@ LAYOUTS = [
 
 
 class LazySamples(torch.utils.data.Dataset):
-    """The samples of LAYOUTS, each processed when it is read (as a data set that decodes its media on access does:
-    nothing of it held between reads)."""
+    """The samples of LAYOUTS (`repeats` times over: one micro-batch of two samples each time), each processed when
+    it is read (as a data set that decodes its media on access does: nothing of it held between reads)."""
+
+    def __init__(self, repeats: int = 1):
+        self.repeats = repeats
 
     def __len__(self) -> int:
-        return len(LAYOUTS)
+        return len(LAYOUTS) * self.repeats
 
     def __getitem__(self, index: int):
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        index %= len(LAYOUTS)
         return build_sample(LAYOUTS[index], seed=11 + index, processor=image_processor())
 
 
-def _samples() -> LazySamples:
-    return LazySamples()
+def _samples(repeats: int = 1) -> LazySamples:
+    return LazySamples(repeats)
 
 
 def _model():
@@ -78,14 +85,14 @@ def trainer_step(output_dir: str) -> tuple[PixelBytesProbe, dict]:
     return probe, grads
 
 
-def accelerate_step(output_dir: str) -> tuple[PixelBytesProbe, dict]:
+def accelerate_step(output_dir: str, batches: int = 1) -> tuple[PixelBytesProbe, dict]:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
     model = _model()
     probe = PixelBytesProbe(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    loader = torch.utils.data.DataLoader(_samples(), batch_size=2, collate_fn=PaddingCollator())
+    loader = torch.utils.data.DataLoader(_samples(batches), batch_size=2, collate_fn=PaddingCollator())
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     for batch in loader:
         accelerator.backward(model(**batch).loss)
@@ -107,7 +114,14 @@ def raw_step(output_dir: str) -> tuple[PixelBytesProbe, dict]:
     return probe, summed_over_group(_grads(model), None if cp is None else cp.group)
 
 
-STACKS = {"trainer": trainer_step, "accelerate": accelerate_step, "raw": raw_step}
+def accelerate_prefetch_step(output_dir: str) -> tuple[PixelBytesProbe, dict]:
+    """Two micro-batches: while the first runs, Accelerate's loader holds the second, prefetched (cut as it was
+    collated, or whole where only `send_to_device` cuts)."""
+    return accelerate_step(output_dir, batches=2)
+
+
+STACKS = {"trainer": trainer_step, "accelerate": accelerate_step, "raw": raw_step,
+          "accelerate_prefetch": accelerate_prefetch_step}
 
 
 def main(out: str, stacks: list[str]) -> None:
