@@ -427,11 +427,11 @@ def sum_over_cp_group(tensors, group=None) -> None:
     group = group if group is not None else getattr(get_cp_group(), "group", None)
     if group is None:
         return
-    for tensor in tensors:
-        if tensor is not None:
-            communicate("gradient sum (sum_over_cp_group)", group, tensor.numel(),
-                        lambda tensor=tensor: dist.all_reduce(tensor, group=group))
-    shares_summed()
+    summed = [tensor for tensor in tensors if tensor is not None]
+    for tensor in summed:
+        communicate("gradient sum (sum_over_cp_group)", group, tensor.numel(),
+                    lambda tensor=tensor: dist.all_reduce(tensor, group=group))
+    shares_summed(summed)
 
 
 def gather_sequence(tensor: torch.Tensor, dim: int = 1, length: int | None = None, cp: CPGroup | None = None):

@@ -79,7 +79,7 @@ def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | Non
     ctx.groups  # the ring's process groups, created on every rank now (collective), before any compute
     choose_switches(model, call, ctx)  # the memory switches this row needs, agreed by the group (one all-reduce)
     cut_to_slice(model, call, ctx)
-    cp_forward_started(model)
+    cp_forward_started(model, ctx.cp)
     STATS.record(ctx)
     return ctx
 
