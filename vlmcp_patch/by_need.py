@@ -82,11 +82,22 @@ def training_of(model, switches: Switches):
     chunk = SETTINGS.loss_chunk_tokens or (SMALL_LOSS_CHUNK if switches.loss_chunk else 0)  # 0: the automatic rule
     return Training(
         sharding=sharding, gradient_checkpointing=checkpointing,
-        dp=data_parallel_world_size(), bytes_per_value=params[0].element_size() if params else 2,
+        dp=data_parallel_world_size(), bytes_per_value=_compute_bytes(params),
         offload_checkpoints=SETTINGS.offload_checkpoints, tiled_mlp=switches.mlp, tiled_vision=switches.vision,
         mlp_tile_tokens=sized(SETTINGS.mlp_tile_tokens), vision_tile_patches=sized(SETTINGS.vision_tile_patches),
         recompute_norms=switches.norms, frozen_head=frozen, loss_chunk=chunk,
         attention=getattr(model.config, "_attn_implementation", None) or "sdpa")
+
+
+def _compute_bytes(params: list) -> int:
+    """Bytes per activation value: autocast's dtype where it is on (fp32 weights under bf16 mixed precision compute in
+    bf16), else the weights'."""
+    if not params:
+        return 2
+    kind = params[0].device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind).itemsize
+    return params[0].element_size()
 
 
 def row_of_call(call: dict, tokens: int, samples: list, merge: int):
@@ -256,18 +267,20 @@ def refusal(dims, row, base, size: int, ulysses: int, room: float, best: tuple[S
             + (f"This row would fit with {' or '.join(ways)}." if ways else "Nothing the package can switch fits it."))
 
 
-def choose_switches(model, call: dict, ctx) -> Choice:
+def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | None:
     """The switches of this CP forward (module docstring), in effect until the next CP forward; logged by rank 0 of
     the group at the first one and when they change. Raises `UnsupportedSetupError` on every rank when the row
-    cannot fit. Called by every rank of the group at the same point (one all-reduce)."""
+    cannot fit. Called by every rank of the group at the same point (one all-reduce, on `device`: the batch's, where
+    the group's collectives run). None at P=1."""
     from .distributed import data_parallel_world_size
     from .planning import dims_from_config
 
+    if ctx.cp.size == 1:
+        return None  # a packed row at P=1 takes the package's path: no switch acts there by need, nothing to price
     if STATE.choice is not None and not torch.is_grad_enabled():
         # a forward without a graph (a reference model's, an evaluation) keeps the choice a training forward's backward
         # may still recompute with; the same on every rank of the group (the same code runs there), no all-reduce
         return STATE.choice
-    device = _device_of(model)
     room = agreed_room(local_room(model, device), ctx.cp, device)
     dims = _dims(model, dims_from_config)
     merge = dims.merge
@@ -283,11 +296,6 @@ def choose_switches(model, call: dict, ctx) -> Choice:
         STATE.logged = switches
         LOGGER.warning("%s", choice.line())
     return choice
-
-
-def _device_of(model) -> torch.device:
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
 
 
 def _dims(model, dims_from_config):

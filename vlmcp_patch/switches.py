@@ -153,7 +153,7 @@ def _log_p1_once(name: str) -> None:
 CHOOSER: list = []  # by_need.choose_switches, registered when the package loads
 
 
-def choose_switches(model, call: dict, ctx):
+def choose_switches(model, call: dict, ctx, device):
     """The switches of this CP forward, chosen by the registered chooser (`by_need.choose_switches`: its contract);
     None where none is registered (the explicit settings alone act)."""
-    return CHOOSER[0](model, call, ctx) if CHOOSER else None
+    return CHOOSER[0](model, call, ctx, device) if CHOOSER else None

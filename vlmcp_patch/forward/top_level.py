@@ -29,7 +29,7 @@ import typing
 import torch
 from transformers.utils import ModelOutput
 
-from ..by_need import choose_switches, loss_chunk_tokens
+from ..switches import choose_switches, loss_chunk_tokens
 from ..context import CPContext
 from ..distributed import active_cp_group
 from ..errors import CPInputError
@@ -77,7 +77,7 @@ def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | Non
     agree(plan, call, model, host_pixels.whole_fingerprints(records))
     ctx = lay_out(call, plan)
     ctx.groups  # the ring's process groups, created on every rank now (collective), before any compute
-    choose_switches(model, call, ctx)  # the memory switches this row needs, agreed by the group (one all-reduce)
+    choose_switches(model, call, ctx, plan.device)  # the memory switches this row needs, agreed by the group
     cut_to_slice(model, call, ctx)
     cp_forward_started(model, ctx.cp)
     STATS.record(ctx)

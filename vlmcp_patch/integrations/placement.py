@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..distributed import cp_running
+from ..flags import REPLICA_VIEW
 from ..forward.arguments import PIXEL_KEYS, SHARE_RECORDS
 from ..forward.host_pixels import keep_pixel_share, keep_this_ranks_share, this_ranks_cut
 from ..patching import Patch
@@ -87,7 +88,10 @@ def cp_prepare_inputs(wrapped, instance, args, kwargs):
     inputs = args[0] if args else kwargs["inputs"]
     if not (cp_running() and isinstance(inputs, Mapping)):
         return wrapped(*args, **kwargs)
-    inputs = keep_this_ranks_share(inputs)
+    if not REPLICA_VIEW.get():
+        # inside TRL's RL trainers' replica view the Trainer prepares prompts for generate(), a pass without CP that
+        # needs the pixel values whole (their training batches are built after it, and keep them whole)
+        inputs = keep_this_ranks_share(inputs)
     kept = _kept_on_host(inputs)
     prepared = wrapped(_without(inputs, kept))
     prepared.update(kept)

@@ -113,6 +113,15 @@ MODELS: dict[str, ModelDims] = {
 }
 
 
+def mlp_width(text: dict) -> int:
+    """The MLP width one token passes through: a dense MLP's `intermediate_size`; in a MoE layer (Qwen3.5-MoE's config
+    has no dense width) its k routed experts' and the shared expert's widths together."""
+    if text.get("intermediate_size"):
+        return text["intermediate_size"]
+    routed = (text.get("moe_intermediate_size") or 0) * (text.get("num_experts_per_tok") or 1)
+    return routed + (text.get("shared_expert_intermediate_size") or 0)
+
+
 def dims_from_config(config, name: str = "config") -> ModelDims:
     """ModelDims of a Hugging Face config: a config object, or its dict (config.json), multimodal or text-only."""
     as_dict = config if isinstance(config, dict) else config.to_dict()
@@ -124,7 +133,7 @@ def dims_from_config(config, name: str = "config") -> ModelDims:
         name=name, hidden=text["hidden_size"], layers=text["num_hidden_layers"], heads=heads,
         kv_heads=text.get("num_key_value_heads") or heads,
         head_dim=text.get("head_dim") or text["hidden_size"] // heads,
-        intermediate=text["intermediate_size"], vocab=text["vocab_size"],
+        intermediate=mlp_width(text), vocab=text["vocab_size"],
         tied=bool(as_dict.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         linear_layers=sum(k == "linear_attention" for k in kinds),
         linear_k_heads=text.get("linear_num_key_heads", 0) or 0,
