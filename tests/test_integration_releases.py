@@ -146,8 +146,11 @@ REFUSED_TRAINER = """
 """
 
 
-@pytest.mark.parametrize("drop,cp_size,expected", [("1", "2", "refused True"), ("0", "2", "refused False"),
-                                                   ("1", "1", "built")])
+# Each case imports TRL in a fresh interpreter (about 10 s): the default run keeps the refusal, the controls run with
+# `-m integration`
+@pytest.mark.parametrize("drop,cp_size,expected", [
+    ("1", "2", "refused True"), pytest.param("0", "2", "refused False", marks=pytest.mark.integration),
+    pytest.param("1", "1", "built", marks=pytest.mark.integration)])
 def test_a_trl_trainer_not_checked_on_the_installed_release_is_refused_when_built(drop, cp_size, expected, tmp_path):
     """Under CP the trainer's construction raises before any step, naming the TRL release. The control (the trainer
     listed) gets past that check, to the next one (one process: no CP group to run in, refused for that); at P=1
