@@ -268,6 +268,13 @@ def _identical(a, b) -> bool:
 # -- checkpointing that is not transformers' own (issue 54): never silent ---------------------------------------------
 
 
+def transformers_older_than(version: str) -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(version)
+
+
 @pytest.mark.parametrize("how", FOREIGN_CHECKPOINTS)
 def test_offload_under_another_checkpointing_is_refused_before_the_layer_computes(how, reapply):
     """With the switch on, a decoder layer checkpointed by torch's checkpoint_wrapper (FSDP2, Accelerate), a
@@ -277,7 +284,14 @@ def test_offload_under_another_checkpointing_is_refused_before_the_layer_compute
     from vlmcp_patch.errors import UnsupportedSetupError
 
     model, batch = foreign_checkpointed_model(how), build_batch(LAYOUTS["qwen3_vl"], seed=7)
-    loss, grads = step(model, batch)  # the control: runs without the switch
+    try:
+        loss, grads = step(model, batch)  # the control: runs without the switch
+    except torch.utils.checkpoint.CheckpointError:
+        if transformers_older_than("5.6.0"):
+            # on 5.2.0 this control's non-reentrant recompute sees the layer at twice its length (55 -> 110 tokens),
+            # with or without the switch: found 2026-12-04 in CI's oldest environment, not yet traced
+            pytest.xfail("transformers < 5.6: a foreign non-reentrant checkpoint recomputes the layer at another length")
+        raise
     assert grads
     vlmcp_patch.enable(offload_checkpoints=True)
     try:
