@@ -24,15 +24,16 @@ TiledMLP shards a sequence the same way: a long slice's tile then holds a fixed 
 slice), and of at least `MIN_TILE` tokens — a shorter tile would read every weight for a few rows. A slice of one
 tile runs the stock forward, untouched.
 
-Only under CP (`cp_size() > 1`): with CP off every MLP runs stock. Not while torch.compile traces (the compiled graph
-keeps the stock MLP).
+When: as set (`VLMCP_MLP_TILE_TOKENS=N` or `on`, at any P), or under CP when the row needs it (`switches.py`,
+chosen by `by_need.py`); with CP off and nothing set every MLP runs stock. Not while torch.compile traces (the compiled
+graph keeps the stock MLP).
 
 The decoder's RMSNorms take the same path (`recomputed_norm_forward`): transformers' norms compute in fp32, and
 autograd keeps an fp32 copy of the input and the normalized input (in bf16 also its cast back) — three times the
 input's bytes in bf16, per norm, for the whole layer's backward. Run through `tokenwise_tiles`, a norm keeps its input
 only and is recomputed in backward, in tiles of rows, so that its fp32 intermediates and their gradients (about six
 fp32 values per number) are one tile's. Each row runs the stock ops, so values and input gradients are the stock
-ones; the weight's gradient is summed over the tiles. `VLMCP_RECOMPUTE_NORMS=0` turns it off; CP off never does it.
+ones; the weight's gradient is summed over the tiles. `VLMCP_RECOMPUTE_NORMS=0` turns it off, `1` turns it on at any P; by need under CP otherwise.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .forward.arguments import call_arguments
-from .patching import cp_size
 from .settings import AUTO, SETTINGS
 from .stats import TileCounts
 from .sharding import gathers_per_submodule_call, make_zero3_leaf
