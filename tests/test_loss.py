@@ -192,3 +192,159 @@ def test_token_log_probs_and_entropy_equal_the_plain_ones(chunk, temperature):
     plain = run(lambda x: _plain_log_probs(x, head, targets, temperature))
     for a, b in zip(ours, plain):
         assert rel_err(a, b) <= 1e-5
+
+
+def _grads(hidden, head):
+    return [hidden.grad, head.weight.grad] + ([head.bias.grad] if head.bias is not None else [])
+
+
+def _fused(x, head, labels):
+    return head_loss_sum(x, head, labels, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_a_retained_graph_backwards_again_like_stock(scale, dtype):
+    """`backward(retain_graph=True)` then `backward()`: the fused head accumulates the same gradients again, bit for
+    bit, as stock's head does from its saved logits; both sums equal stock's."""
+    hidden, head, labels = _case(bias=True, dtype=dtype)
+
+    def twice(fn):
+        x = hidden.detach().clone().requires_grad_(True)
+        head.zero_grad(set_to_none=True)
+        loss = fn(x, head, labels) * scale
+        loss.backward(retain_graph=True)
+        once = [g.clone() for g in _grads(x, head)]
+        loss.backward()
+        return once, _grads(x, head)
+
+    (ours_once, ours), (_, plain) = twice(_fused), twice(_plain)
+    for first, both in zip(ours_once, ours):
+        assert torch.equal(both, 2 * first)
+    for a, b in zip(ours, plain):
+        assert rel_err(a, b) <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_autograd_grad_twice_on_a_retained_graph_like_stock():
+    hidden, head, labels = _case(bias=True, seed=2)
+    x = hidden.clone().requires_grad_(True)
+    inputs = [x, head.weight, head.bias]
+    loss = _fused(x, head, labels) * 0.37
+    first = torch.autograd.grad(loss, inputs, retain_graph=True)
+    second = torch.autograd.grad(loss, inputs)
+    plain = torch.autograd.grad(_plain(x, head, labels) * 0.37, inputs)
+    for a, b, c in zip(first, second, plain):
+        assert torch.equal(a, b) and rel_err(a, c) <= 1e-6
+
+
+def test_a_second_backward_without_retain_graph_raises_like_stock():
+    hidden, head, labels = _case()
+    loss = _fused(hidden.requires_grad_(True), head, labels)  # the head's node is the graph's first
+    loss.backward()
+    with pytest.raises(RuntimeError, match="fused LM head a second time.*retain_graph=True"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("what", ["loss", "log-probabilities"])
+def test_second_order_gradients_are_refused_where_stock_gives_them(what):
+    """Stock's head is differentiable twice; the chunked head's gradients are made without a graph, so
+    `create_graph=True` raises instead of handing back constants."""
+    hidden, head, labels = _case(bias=True, seed=5)
+
+    def first_order(fn):
+        x = hidden.detach().clone().requires_grad_(True)
+        return torch.autograd.grad(fn(x), x, create_graph=True)[0]
+
+    def plain(x):
+        return _plain(x, head, labels) if what == "loss" else sum(map(torch.sum, _plain_log_probs(x, head, labels, 1.0)))
+
+    def ours(x):
+        return _fused(x, head, labels) if what == "loss" else sum(map(torch.sum, token_log_probs_and_entropy(
+            x, head, labels, chunk=8)))
+
+    assert first_order(plain).requires_grad  # the control: stock's gradient has a graph
+    with pytest.raises(RuntimeError, match=rf"chunked LM head \({what}\) cannot be differentiated twice"):
+        first_order(ours)
+
+
+class _Buffers(TorchDispatchMode):
+    """The storages of the given shapes made under the mode (not one of `before`), and which of them are alive."""
+
+    def __init__(self, shapes, before=frozenset()):
+        super().__init__()
+        self.shapes, self.before, self.made, self.alive = set(shapes), before, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and tuple(out.shape) in self.shapes:
+            storage = out.untyped_storage()
+            if storage.data_ptr() not in self.alive | self.before:  # in-place results: not new buffers
+                self.made += 1
+                self.alive.add(storage.data_ptr())
+                weakref.finalize(storage, self.alive.discard, storage.data_ptr())
+        return out
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_the_stored_gradients_are_freed_at_backward_unless_the_graph_is_retained(retain):
+    """One backward scales the stored gradients in place and hands them on — the weight's fp32 buffer becomes its
+    .grad, no (V, H) copy — and the graph holds nothing after it. Under `retain_graph` the graph keeps them (and
+    backward hands on copies) until it is freed."""
+    hidden, head, labels = _case(n=64, h=16, v=257)
+    x = hidden.clone().requires_grad_(True)
+    shapes = (tuple(head.weight.shape), tuple(x.shape))
+    with _Buffers(shapes) as forward:
+        loss = _fused(x, head, labels) * 0.37
+    stored = set(forward.alive)
+    assert forward.made == len(stored) == 2
+    with _Buffers(shapes, stored) as backward:
+        loss.backward(retain_graph=retain)
+    assert backward.made == (2 if retain else 0)
+    assert (head.weight.grad.untyped_storage().data_ptr() in stored) is not retain
+    head.weight.grad = x.grad = None
+    assert forward.alive == (stored if retain else set())  # `loss` and its graph still referenced here
+    del loss
+    assert forward.alive == set()
+
+
+def _retained_graph_under_cp(rank, world_size):
+    """Stock P=1 and CP=`world_size` each: backward(retain_graph=True), then backward(); the loss and the
+    gradients after each, the CP ones summed over the group (and this rank's own, for the control)."""
+    import vlmcp_patch
+    from vlmcp_patch.fixtures.compare import summed_over_group
+    from vlmcp_patch.fixtures.data import Segment as S
+    from vlmcp_patch.fixtures.data import make_batch
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+
+    model = build_model(tiny_qwen3_vl_config())
+    batch = make_batch([[S(text=5), S(image=(16, 16)), S(text=6)]], seed=1)
+
+    def twice():
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward(retain_graph=True)
+        once = {n: p.grad.clone() for n, p in model.named_parameters()}
+        loss.backward()
+        return loss.detach(), once, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    stock = twice()
+    vlmcp_patch.enable(cp_size=world_size)
+    try:
+        loss, once, both = twice()
+    finally:
+        vlmcp_patch.enable(cp_size=1)
+    group = vlmcp_patch.get_cp_group(world_size).group
+    return {"loss": rel_err(loss, stock[0]),
+            "once": max(rel_err(g, stock[1][n]) for n, g in summed_over_group(once, group).items()),
+            "twice": max(rel_err(g, stock[2][n]) for n, g in summed_over_group(both, group).items()),
+            "own": max(rel_err(g, stock[2][n]) for n, g in both.items())}
+
+
+def test_a_retained_graph_backwards_again_under_cp_like_stock():
+    """The whole CP model (the fused head, the exchanges' backwards) backwards twice through a retained graph: the
+    group's summed gradients after each backward equal stock P=1's (twice the gradient after the second)."""
+    from tests.helpers.harness import run_distributed
+
+    for res in run_distributed(_retained_graph_under_cp, 2, timeout=300):
+        assert max(res["loss"], res["once"], res["twice"]) <= 1e-5, res
+        assert res["own"] > 1e-5  # each rank holds only its slice's share: CP really ran

@@ -6,7 +6,11 @@ so its gradient is known up to one factor during the forward pass. Each chunk's 
 (upcast to fp32, as stock does), reduced to the loss, turned in place into the gradient of the logits
 (softmax minus one-hot), cast back to the head's dtype and multiplied into the gradients of the hidden
 states and of the weight — three matmuls per chunk, no recompute; backward only scales them by the
-incoming gradient. At most one chunk of fp32 logits is alive at any time.
+incoming gradient. At most one chunk of fp32 logits is alive at any time. Backward scales the stored gradients in
+place and hands them on (the weight's fp32 buffer becomes its `.grad`): nothing is copied and the graph holds
+nothing after it. Under `retain_graph` it hands on scaled copies and keeps the stored gradients until the graph is
+freed, so every later backward accumulates the same gradients again, as stock's does from its saved tensors. A
+second-order gradient (`create_graph=True`) is refused: the gradients were computed without a graph.
 
 **Chunk size** (`chunk_tokens`): a chunk's fp32 logits take `LOGITS_PER_HIDDEN` times the memory of the
 slice's hidden states, so the head's working memory shrinks with the slice (as 1/P), like everything else per
@@ -90,6 +94,37 @@ def _accumulate_head_grads(grad_logits, h, weight, grad_hidden, grad_weight, gra
         grad_bias += grad_logits.float().sum(0)
 
 
+_SECOND_BACKWARD = ("Trying to backward through vlmcp_patch's fused LM head a second time: its stored gradients "
+                    "were freed at the first backward. Specify retain_graph=True if you need to backward through "
+                    "the graph a second time.")
+
+
+def _refuse_second_order(what: str) -> None:
+    """Raises in a backward run with `create_graph=True` (grad mode on): stock's head is differentiable twice, the
+    chunked head's gradients are computed without a graph (they would come back as constants)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"vlmcp_patch's chunked LM head ({what}) cannot be differentiated twice (create_graph=True): it computes "
+            "its gradients without a graph. Take second-order gradients through the logits instead (a forward "
+            "without labels returns them).")
+
+
+def _graph_is_kept() -> bool:
+    """Whether the running backward keeps the graph (`retain_graph`, or `create_graph`); True outside one."""
+    return torch._C._autograd._get_current_graph_task_keep_graph()
+
+
+def _scaled(grad: torch.Tensor, dtype, scale, in_place: bool) -> torch.Tensor:
+    """`grad` cast to `dtype` (None: as it is) and times `scale` (None: 1); written over `grad` when `in_place`
+    (the weight's fp32 buffer then becomes its .grad, no copy), else a new tensor and `grad` left as it was."""
+    if dtype is not None and grad.dtype != dtype:
+        grad = grad.to(dtype)  # a new tensor already
+        in_place = True
+    if scale is None:
+        return grad if in_place else grad.clone()
+    return grad.mul_(scale.to(grad.dtype)) if in_place else grad * scale.to(grad.dtype)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Sum over tokens of cross_entropy(hidden @ weight.T (+ bias), labels), with its gradient computed during
     the forward pass, chunk by chunk (module docstring).
@@ -123,16 +158,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
+        _refuse_second_order("loss")
+        if ctx.grads is None:
+            raise RuntimeError(_SECOND_BACKWARD)
         grad_hidden, grad_weight, grad_bias, weight_dtype, bias_dtype = ctx.grads
-        ctx.grads = None  # computed once for one backward
+        kept = _graph_is_kept()
+        if not kept:
+            ctx.grads = None  # freed at this backward, as stock frees its saved tensors
         # no target here: the gradients are exact zeros, as stock's, even for a non-finite `grad_total`
         scale = None if not ctx.has_targets or bool(grad_total == 1) else grad_total
-        out = []
-        for grad, dtype in ((grad_hidden, None), (grad_weight, weight_dtype), (grad_bias, bias_dtype)):
-            if grad is not None:
-                grad = grad.to(dtype) if dtype is not None and grad.dtype != dtype else grad
-                grad = grad if scale is None else grad.mul_(scale.to(grad.dtype))
-            out.append(grad)  # the weight's fp32 buffer becomes its .grad in fp32 (no copy)
+        out = [None if grad is None else _scaled(grad, dtype, scale, in_place=not kept)
+               for grad, dtype in ((grad_hidden, None), (grad_weight, weight_dtype), (grad_bias, bias_dtype))]
         return (*out, None, None, None)
 
 
@@ -216,6 +252,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
+        _refuse_second_order("log-probabilities")
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
         want = ctx.needs_input_grad
         grad_hidden = torch.empty_like(hidden) if want[0] else None
