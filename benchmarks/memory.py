@@ -4,7 +4,7 @@ proportions, on a packed row of a given length: the step's peak and the longest 
     python -m benchmarks.memory [--model qwen3-vl|qwen3.5] [--sample text-heavy|image-heavy|video]
         [--tokens 8192] [--layers 12] [--scale 16] [--gradient-checkpointing] [--sizes 1 2 4 8] [--step sft|grpo]
         [--stock] [--heads 4] [--loops host device] [--mlp-tile-tokens auto|0|N]
-        [--vision-tile-patches auto|0|N] [--offload-checkpoints] [--vision-tiles-compare] [--loss-chunk-tokens N]
+        [--vision-tile-patches auto|0|N] [--offload-checkpoints [--offload-features auto|on|off]] [--vision-tiles-compare] [--loss-chunk-tokens N]
         [--no-recompute-norms]
     python -m benchmarks.memory --longest 400 [--sample ...] [--gradient-checkpointing]   # MiB per rank
 
@@ -35,7 +35,8 @@ training loop (`--loops`, both by default; one process, a fresh count each):
 
 It prints, for the busiest rank and each loop, that peak and R = P x peak(rank) / peak(P=1) (1.0: a perfect 1/P
 split), the bytes in the host pool of `--offload-checkpoints` (on the host, not in the device peak: its buffers are
-left out of it), and for the host loop the bytes autograd saves for backward (the caller's batch left out), the
+left out of it, and so are the vision features the offload parks on the host and their gradients there, whose moves
+to the device `HostPixels` turns into copies as for the pixels), and for the host loop the bytes autograd saves for backward (the caller's batch left out), the
 vision patches the rank encoded against a perfect split, the tokens it held, and the step's wall-clock; then each
 rank's device peak and host pool; with `--stock`,
 stock transformers on the same row beside P=1 (its sdpa builds an S x S mask for a packed row: slow on long rows).
@@ -123,6 +124,10 @@ class HostPixels(TorchFunctionMode):
         super().__init__()
         self.storages = {batch[k].untyped_storage().data_ptr() for k in PIXEL_KEYS if torch.is_tensor(batch.get(k))}
 
+    def add(self, tensor: torch.Tensor) -> None:
+        """A host tensor the package made (a parked vision feature): its moves to the device copy too."""
+        self.storages.add(tensor.untyped_storage().data_ptr())
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.to and args and args[0].untyped_storage().data_ptr() in self.storages:
@@ -171,6 +176,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, s
     vlmcp_patch.enable(cp_size=world_size, mlp_tile_tokens=args.mlp_tile_tokens if cp else "auto",
                        vision_tile_patches=args.vision_tile_patches if cp else "auto",
                        offload_checkpoints=args.offload_checkpoints,
+                       offload_features={"auto": "auto", "on": True, "off": False}[args.offload_features],
                        loss_chunk_tokens=getattr(args, "loss_chunk_tokens", None),
                        recompute_norms=not getattr(args, "no_recompute_norms", False) if cp else "auto")
     results = {}
@@ -182,7 +188,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, tokens: int, s
 
 def _one_step(model, reference, batch: dict, args, loop: str, world_size: int, stock: bool) -> dict:
     """One counted step of `measure` for `loop` (module docstring)."""
-    from vlmcp_patch.offload import HOST_CHECKPOINTS
+    from vlmcp_patch.offload import HOST_CHECKPOINTS, HOST_FEATURES
     from vlmcp_patch.stats import STATS
     from vlmcp_patch.vision_tiles import VISION_TILES
 
@@ -194,11 +200,21 @@ def _one_step(model, reference, batch: dict, args, loop: str, world_size: int, s
     weights = [*model.parameters(), *model.buffers(), *(reference.parameters() if reference is not None else ())]
     live = LiveBytes([*weights, *inputs])
     host = HostPixels(batch) if loop == "host" and world_size > 1 else contextlib.nullcontext()
+    parked: set[int] = set()  # the vision features parked on the host and their gradients there (`park_features`)
+
+    def on_host(tensor: torch.Tensor) -> None:
+        parked.update(live.ids_of([tensor]))
+        if isinstance(host, HostPixels):
+            host.add(tensor)
 
     def step():
-        with modules, saved.recording(), live, host:
-            loss = model(**batch).loss if reference is None else grpo_scoring_loss(model, reference, batch)
-            loss.backward()
+        HOST_FEATURES.observers.append(on_host)
+        try:
+            with modules, saved.recording(), live, host:
+                loss = model(**batch).loss if reference is None else grpo_scoring_loss(model, reference, batch)
+                loss.backward()
+        finally:
+            HOST_FEATURES.observers.remove(on_host)
         return loss
 
     _, seconds = timed(step)
@@ -210,7 +226,8 @@ def _one_step(model, reference, batch: dict, args, loop: str, world_size: int, s
     return {
         "saved": saved.total,
         "saved_by_module": dict(saved.by_module),
-        "peak": live.peak(excluded=grads | host_pool) + batch_device_bytes(batch, 1 if stock else world_size, loop),
+        "peak": live.peak(excluded=grads | host_pool | parked)
+        + batch_device_bytes(batch, 1 if stock else world_size, loop),
         "host": HOST_CHECKPOINTS.pool.reserved,
         "vision_patches": facts.get("cp_vision_patches_per_rank", patches),
         "all_patches": patches,
@@ -416,6 +433,8 @@ def parser() -> argparse.ArgumentParser:
                         "need, or 0: untiled; VLMCP_VISION_TILE_PATCHES)")
     parser.add_argument("--vision-tiles-compare", action="store_true",
                         help="each P with the vision tower untiled and in tiles: peaks and their ratio")
+    parser.add_argument("--offload-features", choices=["auto", "on", "off"], default="auto",
+                        help="under CP, the vision features wait on the host (VLMCP_OFFLOAD_FEATURES; auto: by need)")
     parser.add_argument("--offload-checkpoints", action="store_true",
                         help="the checkpoints in host memory (VLMCP_OFFLOAD_CHECKPOINTS; with --gradient-checkpointing)")
     parser.add_argument("--loss-chunk-tokens", type=int,

@@ -51,6 +51,8 @@ WORK_BF16_CACHE = "benchmarks/data/plan_work_bf16.json"  # the same in bf16, Qwe
 # Qwen3-VL's image-heavy rows with small vision tiles, so that a decoder layer beside the deepstack features' gradients
 # sets the peak (a check: nothing is fitted on it; `benchmarks.plan_measure`'s docstring has the commands)
 DECODER_CACHE = "benchmarks/data/plan_decoder.json"
+# the same rows with the vision features parked on the host (`--park-features`, VLMCP_OFFLOAD_FEATURES=1)
+DECODER_PARKED_CACHE = "benchmarks/data/plan_decoder_parked.json"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -101,7 +103,8 @@ def predicted_peak(point: dict, constants: Constants, cache: dict) -> float:
                         tiled_mlp=point.get("tiled_mlp", False), offload_checkpoints=point.get("offload", False),
                         loss_chunk=point.get("loss_chunk", 0), recompute_norms=point.get("recompute_norms", False),
                         mlp_tile_tokens=point.get("mlp_tile_tokens"),
-                        vision_tile_patches=point.get("vision_tile_patches"))
+                        vision_tile_patches=point.get("vision_tile_patches"),
+                        park_features=point.get("park_features", False))
     size = point["P"]
     from vlmcp_patch.planning import package_ulysses
 

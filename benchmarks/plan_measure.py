@@ -4,7 +4,7 @@
     python -m benchmarks.plan_measure --work      # the recomputed layer's rows (benchmarks/data/plan_work.json)
     python -m benchmarks.plan_measure --work --dtype bf16 --models qwen3-vl --out benchmarks/data/plan_work_bf16.json
     python -m benchmarks.plan_measure --work --models qwen3-vl --samples image-heavy --sizes 2 4 --norms recomputed \
-        --vision-tile-patches 256 [--mlp-tile-tokens 256] --out benchmarks/data/plan_decoder.json
+        --vision-tile-patches 256 [--mlp-tile-tokens 256] [--park-features] --out benchmarks/data/plan_decoder.json
 
 Each (model, sample, checkpointing, P) is one `benchmarks.memory.measure` run: the busiest rank's peak of live
 bytes (parameter gradients left out, the batch's device bytes in), as that benchmark counts it. Results are
@@ -34,12 +34,14 @@ WORK = {"out": "benchmarks/data/plan_work.json", "tokens": 8192, "layers": 4, "s
 
 def memory_args(model: str, sample: str, gc: bool, tokens: int, layers: int, offload: bool = False,
                 loss_chunk: int = 0, recompute_norms: bool = True, dtype: str = "fp32",
-                mlp_tile_tokens: int | None = None, vision_tile_patches: int | None = None) -> argparse.Namespace:
+                mlp_tile_tokens: int | None = None, vision_tile_patches: int | None = None,
+                park_features: bool = False) -> argparse.Namespace:
     """The options of `benchmarks.memory` for one run (widths / 16, three vision blocks, the integrations' loop)."""
     argv = ["--model", model, "--sample", sample, "--tokens", str(tokens), "--layers", str(layers), "--scale", "16",
             "--loops", "host", "--loss-chunk-tokens", str(loss_chunk), "--dtype", dtype,
             *(["--gradient-checkpointing"] if gc else []),
             *(["--offload-checkpoints"] if offload else []), *([] if recompute_norms else ["--no-recompute-norms"]),
+            "--offload-features", "on" if park_features else "off",
             *(["--mlp-tile-tokens", str(mlp_tile_tokens)] if mlp_tile_tokens else []),
             *(["--vision-tile-patches", str(vision_tile_patches)] if vision_tile_patches else [])]
     return memory.parser().parse_args(argv)
@@ -48,6 +50,8 @@ def memory_args(model: str, sample: str, gc: bool, tokens: int, layers: int, off
 def runs(args) -> list[dict]:
     """The (model, sample, checkpointing, P and options) of each run asked for; the tiles' sizes where set."""
     tiles = {name: getattr(args, name) for name in ("mlp_tile_tokens", "vision_tile_patches") if getattr(args, name)}
+    if args.park_features:
+        tiles["park_features"] = True
     out = []
     for model in args.models:
         for sample in args.samples:
@@ -79,6 +83,8 @@ def main(argv=None) -> None:
     parser.add_argument("--vision-tile-patches", type=int,
                         help="patches per vision tile (default: the automatic rule); with a small one a decoder layer, "
                         "not the tower, sets the peak of an image-heavy row")
+    parser.add_argument("--park-features", action="store_true",
+                        help="under CP, the vision features parked on the host (VLMCP_OFFLOAD_FEATURES=1)")
     parser.add_argument("--norms", choices=["both", "recomputed"], default="both",
                         help="with --work, under CP: the norms recomputed and kept (both), or recomputed only")
     args = parser.parse_args(argv)
@@ -87,14 +93,14 @@ def main(argv=None) -> None:
         setattr(args, name, getattr(args, name) or defaults[name])
     args.out = args.out or (WORK["out"] if args.work else "benchmarks/data/plan_memory.json")
     done = json.load(open(args.out)) if os.path.exists(args.out) else []
-    keys = ("model", "sample", "gc", "P", "recompute_norms", "mlp_tile_tokens", "vision_tile_patches")
+    keys = ("model", "sample", "gc", "P", "recompute_norms", "mlp_tile_tokens", "vision_tile_patches", "park_features")
     seen = {tuple(r.get(k) for k in keys) for r in done}
     for run in runs(args):
         if tuple(run.get(k) for k in keys) in seen:
             continue
         start = time.perf_counter()
         options = {k: run[k] for k in ("offload", "loss_chunk", "recompute_norms", "mlp_tile_tokens",
-                                       "vision_tile_patches") if k in run}
+                                       "vision_tile_patches", "park_features") if k in run}
         options["dtype"] = run["dtype"] = args.dtype
         ns = memory_args(run["model"], run["sample"], run["gc"], args.tokens, args.layers, **options)
         ranks = [r["host"] for r in run_distributed(memory.measure, run["P"], ns, args.tokens, False, timeout=3600)]

@@ -101,6 +101,8 @@ def offload_run(cp_size: int):
 
 
 def test_offload_under_cp_is_bit_identical(once):
+    """Checkpoints and vision features on the host under CP: the same bits as CP without the offload, per family and
+    checkpointing kind."""
     for rank, per_case in enumerate(once(offload_run, 2)):
         for case, m in per_case.items():
             if "offload" in case:
@@ -109,6 +111,11 @@ def test_offload_under_cp_is_bit_identical(once):
             # (a rank's placeholder vision pass, a few patches, is below offload.MIN_BYTES and stays)
             counts = m["counts"]
             assert counts["kept"] == 1 and 0 < counts["offloaded"] == counts["restored"] <= m["calls"] - 1, (case, m)
+            # the vision features parked on the host too: the merged features and every deepstack level of each
+            # modality in forward, their gradients handed back once per modality in backward (Qwen3-VL: images with
+            # two deepstack levels; Qwen3.5: images and video, no deepstack)
+            parked, unparked = (3, 1) if case.startswith("qwen3_vl") else (2, 2)
+            assert (counts["parked"], counts["unparked"]) == (parked, unparked), (case, counts)
 
 
 @pytest.mark.parametrize("theirs", ["transformers offload", "accelerate offload"])

@@ -51,6 +51,7 @@ import torch
 from .errors import UnsupportedSetupError
 from .patching import cp_size
 from .settings import SETTINGS
+from .switches import features_on_host
 
 MIN_BYTES = 1024  # a smaller input stays: its copy costs more than it frees
 
@@ -277,10 +278,13 @@ class OffloadCounts:
     kept: int = 0  # inputs unpacked in backward straight from the device (the last layer's)
     restored: int = 0  # inputs copied back to the device
     prefetched: int = 0  # of which started before they were needed
+    parked: int = 0  # vision feature tensors parked on the host in forward (`park_features`)
+    unparked: int = 0  # their gradients handed back to the device in backward
 
     def drain(self) -> dict:
         out = dict(vars(self))
-        self.offloaded = self.kept = self.restored = self.prefetched = 0
+        for name in out:
+            setattr(self, name, 0)
         return out
 
 
@@ -555,3 +559,87 @@ def foreign_offload_problem(model) -> str | None:
                 "vlmcp_patch.enable(offload_checkpoints=True)); or set VLMCP_CP_SIZE=1."
             )
     return None
+
+
+# -- the vision features parked on the host (issue 53) -----------------------------------------------------------------
+
+
+class HostFeatures:
+    """The vision features `park_features` keeps on the host: their counts live in `HOST_CHECKPOINTS.counts`;
+    `observers` are called with every host tensor the parking makes — the parked features in forward, their gradients
+    as they arrive in backward — for the memory benchmark, which leaves them out of a device's peak (on a CPU the host
+    is the device)."""
+
+    def __init__(self):
+        self.observers: list = []
+
+    def observe(self, tensor: torch.Tensor) -> None:
+        for observer in self.observers:
+            observer(tensor)
+
+
+HOST_FEATURES = HostFeatures()
+
+
+def parks_features() -> bool:
+    """Whether a CP forward parks its vision features on the host (`park_features`): as set
+    (`VLMCP_OFFLOAD_FEATURES`), or by need (`switches.features_on_host`: the row does not fit the device without it,
+    with the checkpoint offload on); gradients on, not traced."""
+    return features_on_host() and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy (pageable: its exact bytes, no power-of-two pinned block) of a device tensor."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor)
+
+
+class _ParkedFeatures(torch.autograd.Function):
+    """Forward: `joined` (merged tokens, the columns of every feature kind side by side; on the device) -> one
+    contiguous host tensor per width of `widths`. Backward: those tensors' gradients (on the host) -> `joined`'s (on
+    its device), made only when the last of them has arrived."""
+
+    @staticmethod
+    def forward(ctx, joined: torch.Tensor, widths: list[int]):
+        ctx.set_materialize_grads(False)
+        ctx.rows, ctx.widths, ctx.dtype, ctx.device = joined.shape[0], list(widths), joined.dtype, joined.device
+        parked = tuple(_host_copy(part) for part in joined.detach().split(widths, dim=-1))
+        HOST_CHECKPOINTS.counts.parked += len(parked)
+        for tensor in parked:
+            HOST_FEATURES.observe(tensor)
+        return parked
+
+    @staticmethod
+    def backward(ctx, *grads):
+        joined = torch.empty(ctx.rows, sum(ctx.widths), dtype=ctx.dtype, device=ctx.device)
+        for part, grad in zip(joined.split(ctx.widths, dim=-1), grads):
+            if grad is None:  # a feature kind the forward did not read
+                part.zero_()
+            else:
+                part.copy_(grad)
+        HOST_CHECKPOINTS.counts.unparked += 1
+        return joined, None
+
+
+def park_features(joined: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
+    """The vision features of this rank's slice parked in host memory between the tower and the decoder.
+
+    `joined` (merged tokens, sum(widths)): the features routed to this rank, the merged features and each deepstack
+    level side by side, on the device. Returns one contiguous host tensor per width (the merged features, then each
+    level), in `joined`'s dtype. The stock forwards of the four families move each feature to the device where they
+    read it (`masked_scatter` of the merged features into the embeddings; a deepstack level added after its decoder
+    layer: `.to(hidden_states.device)`), and nothing saves those copies for backward: on the device a level then lives
+    only while its layer adds it, where it lived through the whole decoder's forward. In backward each feature's
+    gradient arrives on the host (the move's backward) as the layer that reads it runs, and waits there; when the
+    last has arrived (the merged features', at the embeddings) they go to the device together, as `joined`'s gradient,
+    for the tower's backward. So the deepstack gradients are not on the device beside the first layers' recomputes.
+    The values are copied, never changed: bit-identical. With `HOST_FEATURES.observers` set, each gradient is reported
+    as it arrives."""
+    parked = list(_ParkedFeatures.apply(joined, list(widths)))
+    if HOST_FEATURES.observers:
+        for tensor in parked:
+            tensor.register_hook(_observed)
+    return parked
+
+
+def _observed(grad: torch.Tensor) -> None:
+    HOST_FEATURES.observe(grad)

@@ -16,6 +16,7 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_VISION_TILE_PATCHES` | `vision_tile_patches` | auto | patches per tile of the vision tower under CP (`vision_tiles.py`; auto: by need; on; 0: off) |
 | `VLMCP_DEVICE_MEMORY_GIB` | `device_memory_gib` | the device's | GiB a rank's step may use, for the choice by need (`by_need.py`; on CPU: none, no limit) |
 | `VLMCP_OFFLOAD_CHECKPOINTS` | `offload_checkpoints` | off | the layers' checkpoints kept on the host (`offload.py`) |
+| `VLMCP_OFFLOAD_FEATURES` | `offload_features` | auto | under CP the vision features wait on the host between tower and decoder (`offload.park_features`; auto: by need with the checkpoint offload on; 1 / 0) |
 | `VLMCP_SPLIT_ROLLOUTS` | `split_rollouts` | off | TRL's RL rollouts: each rank of a CP group generates its share |
 | `VLMCP_ULYSSES_SIZE` | `ulysses_size` | auto | U of P = U x R: ranks per all-to-all subgroup, in a node |
 | `VLMCP_TIMEOUT` | `timeout` | the user's | seconds a collective of the CP groups may wait before it raises |
@@ -120,6 +121,10 @@ class Settings:
     # Under CP and P=1 alike: the inputs gradient checkpointing saves for each decoder layer and vision block wait in
     # host memory between forward and backward (`offload.py`). Exact: the same values come back.
     offload_checkpoints: bool = False
+    # Under CP, the slice's vision features (merged and deepstack) wait on the host between the tower and the decoder,
+    # and their gradients between the decoder and the tower (`offload.park_features`). AUTO: by need, with the
+    # checkpoint offload on (`by_need.py`); True: always under CP; False: never. Exact either way (copies).
+    offload_features: bool | str = AUTO
     # GiB of device memory a rank's step may use beyond what is allocated at its first CP forward, for the choice by
     # need (`by_need.py`): 0 reads the device (`torch.cuda.mem_get_info`); on a CPU, 0 sets no limit (nothing is
     # switched on by need), a number stands for a device of that much free memory (the tests drive the choice so).
@@ -142,9 +147,10 @@ class Settings:
                     f"{name} must be a non-negative integer (0: untiled), {AUTO!r} or {ON!r}, got {tile!r}")
         if not isinstance(self.offload_checkpoints, bool):
             raise UnsupportedSetupError(f"offload_checkpoints must be True or False, got {self.offload_checkpoints!r}")
-        if self.recompute_norms != AUTO and not isinstance(self.recompute_norms, bool):
-            raise UnsupportedSetupError(
-                f"recompute_norms must be True, False or {AUTO!r}, got {self.recompute_norms!r}")
+        for name in ("recompute_norms", "offload_features"):
+            value = getattr(self, name)
+            if value != AUTO and not isinstance(value, bool):
+                raise UnsupportedSetupError(f"{name} must be True, False or {AUTO!r}, got {value!r}")
         memory = self.device_memory_gib
         if isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory < 0:
             raise UnsupportedSetupError(
@@ -170,6 +176,7 @@ def _from_environment() -> Settings:
         recompute_norms=env_flag("VLMCP_RECOMPUTE_NORMS", AUTO),
         vision_tile_patches=env_tokens("VLMCP_VISION_TILE_PATCHES"),
         offload_checkpoints=env_flag("VLMCP_OFFLOAD_CHECKPOINTS"),
+        offload_features=env_flag("VLMCP_OFFLOAD_FEATURES", AUTO),
         device_memory_gib=env_float("VLMCP_DEVICE_MEMORY_GIB", 0),
     )
     settings.validate()
@@ -196,6 +203,7 @@ def enable(
     recompute_norms: bool | str | None = None,
     vision_tile_patches: int | str | None = None,
     offload_checkpoints: bool | None = None,
+    offload_features: bool | str | None = None,
     device_memory_gib: float | None = None,
 ) -> Settings:
     """Change the settings for every following forward; arguments left out keep their value.
@@ -218,6 +226,7 @@ def enable(
         "recompute_norms": recompute_norms,
         "vision_tile_patches": vision_tile_patches,
         "offload_checkpoints": offload_checkpoints,
+        "offload_features": offload_features,
         "device_memory_gib": device_memory_gib,
     }
     new = dataclasses.replace(SETTINGS, **{k: v for k, v in given.items() if v is not None})

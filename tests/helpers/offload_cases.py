@@ -111,12 +111,12 @@ def run_offload_cases(rank: int, world_size: int) -> dict:
             for reentrant in (False, True):
                 model, batch = checkpointed_model(family, reentrant), build_batch(LAYOUTS[family], seed=7)
                 loss, grads = step(model, batch)
-                vlmcp_patch.enable(offload_checkpoints=True)
+                vlmcp_patch.enable(offload_checkpoints=True, offload_features=True)
                 HOST_CHECKPOINTS.counts.drain()
                 try:
                     offloaded_loss, offloaded_grads = step(model, batch)
                 finally:
-                    vlmcp_patch.enable(offload_checkpoints=False)
+                    vlmcp_patch.enable(offload_checkpoints=False, offload_features="auto")
                 results[f"{family} reentrant={reentrant}"] = {
                     "identical": bool(torch.equal(loss, offloaded_loss)) and grads.keys() == offloaded_grads.keys()
                     and all(torch.equal(grads[n], offloaded_grads[n]) for n in grads),

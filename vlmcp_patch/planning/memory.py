@@ -137,6 +137,10 @@ class Memory:
     host_pool: float = 0.0  # the host bytes its pool allocates to hold them (`offload.pool_bytes_for`)
     host_optimizer: float = 0.0  # the optimizer offloaded to the host, as DeepSpeed holds it (`host.HostOptimizer`)
     host_batch: float = 0.0  # this rank's batch on the host: the row's integers, its share of the pixel values
+    # the vision features parked on the host with the offload under CP (`offload.park_features`): the slice's merged
+    # and deepstack features in forward, their gradients in backward (the forward's are gone by then: the model's
+    # output does not hold them)
+    host_features: float = 0.0
     exchange: float = 0.0  # all-to-all send/receive buffers, ring K/V in flight, DeltaNet state gathers
     batch: float = 0.0  # the row's integer tensors (whole row on every rank) and this rank's pixel values
     # kernels' transients beside the recomputed layer in backward: flash-attn 2's backward scratch (fp32 dq
@@ -159,8 +163,9 @@ class Memory:
 
     @property
     def host_total(self) -> float:
-        """Host bytes this rank needs: the checkpoint pool as allocated, the offloaded optimizer, its batch."""
-        return self.host_pool + self.host_optimizer + self.host_batch
+        """Host bytes this rank needs: the checkpoint pool as allocated, the offloaded optimizer, its batch, the parked
+        vision features."""
+        return self.host_pool + self.host_optimizer + self.host_batch + self.host_features
 
 
 def static_memory(d: ModelDims, t: Training, world: int) -> tuple[float, float, float]:
@@ -219,6 +224,10 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
                       if t.gradient_checkpointing else 0.0)
             vis -= (1 - keep_v) * 2 * d.vision_intermediate
     features = vision_local * d.hidden * (1 + d.deepstack)  # merged + deepstack features routed to this rank
+    # with the offload under CP they wait on the host (`offload.park_features`): on the device only stock's copy of
+    # the merged features for its forward, a level only while its layer adds it, their gradients only at the tower
+    parked = parks_features(t, size)
+    on_device = 0.0 if parked else features
     # the tower over tiles of items (`vision_tiles.py`): nothing of it kept between forward and backward but the
     # features; in backward one tile is recomputed at a time, every block's activations alive (its blocks' own
     # checkpointing is off inside a tile), its MLPs in their own tiles keeping no intermediates
@@ -241,7 +250,8 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     m = Memory()
     if not t.gradient_checkpointing:
         m.activations = b * local * (d.full_layers * c.attention * att + d.linear_layers * c.deltanet * dn)
-        m.activations += b * ((0 if tile else patches * c.vision * (d.vision_depth * vis + mergers)) + features + final)
+        m.activations += b * ((0 if tile else patches * c.vision * (d.vision_depth * vis + mergers)) + on_device
+                              + final)
         m.exchange = b * max(attention_x, deltanet_x)  # transient, one layer's at a time
         m.scratch = max(flash_scratch, norm_scratch)  # everything saved is alive at the last layer's backward
         m.working = b * tile_work  # a vision tile recomputed in backward (the exchanges are not running then)
@@ -260,14 +270,14 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
         m.activations = decoder + vision
         # nothing autograd keeps for backward holds the features or the final norm's tensors once the head's backward
         # has run: gone before the first layer is recomputed (measured: `tests/test_plan.py`, the backward's peak)
-        m.forward_only = b * (features + final)
+        m.forward_only = b * (on_device + final)
         # one layer is recomputed at a time: its activations, the gradient flowing through it (2 hidden states)
         # and its own exchange buffers — the largest of the layer kinds and the vision block — beside the
         # checkpoints and feature gradients alive at the worst layer. The tower's backward comes after every
         # decoder layer's (no decoder checkpoint left), with the gradients of the merged and deepstack features
         gradient = 2 * d.hidden
         mlp_work = c.mlp_work * mlp
-        around = beside_a_recomputed_layer(d, local, vision_local, t.offload_checkpoints)
+        around = beside_a_recomputed_layer(d, local, vision_local, t.offload_checkpoints, parked)
         # flash-attn's backward scratch beside a softmax layer's working set (its kernel runs in the middle of it)
         kinds = ([(local * (c.attention_work * (att - mlp) + mlp_work + gradient) + around, attention_x,
                    flash_scratch / b)]
@@ -285,7 +295,8 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
         working, exchange, scratch = max(kinds, key=lambda k: k[0] + max(k[1], k[2]))
         m.working, m.exchange, m.scratch = b * working, b * exchange, b * scratch
         # the decoder's forward at its layers: the vision features routed to the rank (the joined features, the
-        # base of the views stock's forward holds until the decoder returns) and stock's own copy of the merged
+        # base of the views stock's forward holds until the decoder returns; parked: on the host) and stock's own
+        # copy of the merged
         # features (its deepstack copies the decoder no longer reads: `vision.use_the_routed_deepstack_levels`), the
         # embeddings and the previous layer's output, and one layer's forward working set, which is what its
         # recompute keeps (measured: a probe at the forward's peak, layer 1 of the image-heavy rows in
@@ -296,7 +307,7 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
         if d.linear_layers:
             forward_kinds.append((c.deltanet_work * (dn - mlp), deltanet_x / local))
         layer_forward, forward_exchange = max(forward_kinds, key=sum)
-        m.forward_decoder = b * (features + vision_local * d.hidden + local * (2 * d.hidden + layer_forward))
+        m.forward_decoder = b * (on_device + vision_local * d.hidden + local * (2 * d.hidden + layer_forward))
         m.forward_exchange = b * local * forward_exchange
     # the fused head: one chunk of fp32 logits (turned into their gradient in place), its copy in the head's dtype
     # for the gradient matmuls (the matmul's own output before the upcast, as large) and, for the weight's fp32
@@ -322,7 +333,20 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     m.rotary = rotary_bytes(d, t, local)
     m.host_pool = checkpoint_pool_bytes(m.host)
     m.host_batch = batch_host_bytes(d, row, size)
+    m.host_features = b * features if parked else 0.0
     return m
+
+
+def parks_features(t: Training, size: int) -> bool:
+    """Whether the step prices the slice's vision features parked on the host (`offload.park_features`): set so
+    (`t.park_features`; `table.plan` sets it where the row needs it), with the checkpoint offload on, under CP (the
+    CP vision path parks them)."""
+    return bool(t.park_features) and t.offload_checkpoints and size > 1
+
+
+def may_park_features(t: Training, size: int) -> bool:
+    """Whether parking the features is left to the row's need (`Training.park_features` None) and could act."""
+    return t.park_features is None and t.offload_checkpoints and size > 1
 
 
 def flash_backward_scratch_bytes(d: ModelDims, t: Training, local: int, ulysses: int) -> float:
@@ -362,7 +386,8 @@ def rotary_bytes(d: ModelDims, t: Training, local: int) -> float:
     return 2.0 * t.bytes_per_value * local * d.head_dim if d.full_layers else 0.0
 
 
-def beside_a_recomputed_layer(d: ModelDims, local: int, vision_local: int, offloaded: bool) -> float:
+def beside_a_recomputed_layer(d: ModelDims, local: int, vision_local: int, offloaded: bool,
+                              parked: bool = False) -> float:
     """Elements alive beside the decoder layer recomputed in backward, counted from the decoder checkpoints
     `Memory.activations` holds at the forward's end, at the layer where they are most. Backward runs the layers from
     the last to the first: layer i's recompute sees the deepstack features' gradients of layers i..D-1 (each arrives
@@ -370,9 +395,10 @@ def beside_a_recomputed_layer(d: ModelDims, local: int, vision_local: int, offlo
     recomputed layer's input (the one `activations` counts) and, above layer 0, the next one's, prefetched. On the
     device: the inputs of layers 0..i, those above gone with their backward. (Measured: `benchmarks.plan_measure
     --work`; a probe of the live tensors at the peak shows layer 1's recompute beside layer 0's prefetched input and
-    the deepstack gradients of layers 1 and 2.)"""
+    the deepstack gradients of layers 1 and 2.) `parked`: the feature gradients wait on the host
+    (`offload.park_features`), none on the device."""
     def at(layer: int) -> float:
-        arrived = max(0, d.deepstack - layer) * vision_local * d.hidden
+        arrived = 0.0 if parked else max(0, d.deepstack - layer) * vision_local * d.hidden
         if offloaded:
             return arrived + (local * d.hidden if layer > 0 else 0.0)
         return arrived - (d.layers - 1 - layer) * local * d.hidden

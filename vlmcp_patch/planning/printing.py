@@ -128,7 +128,8 @@ def longest_table(gpus_per_node: int = 8, gpus=("h100", "h200")) -> str:
                     continue
                 r, tm = best.row, best.row.time
                 copies = f"{tm.offload_copies:.1f} ({tm.offload:.1f})" if training.offload_checkpoints else "—"
-                lines.append(f"| {name} | {gpus_per_node} {gpu.upper()} | {where} | {best.tokens:,} "
+                parked = ", vision features (by need)" if r.memory.host_features else ""
+                lines.append(f"| {name} | {gpus_per_node} {gpu.upper()} | {where}{parked} | {best.tokens:,} "
                              f"({best.tokens / 2**20:.2f}M) | {r.ulysses} x {r.ring} | {r.peak_gib:.1f} "
                              f"({r.device_budget_gib:.1f}) | {r.host_gib_per_node:,.0f} ({r.host_budget_gib:,.0f}) | "
                              f"{best.binds} | {tm.total:.0f} | {copies} |")

@@ -9,7 +9,7 @@ from .dims import model_dims
 from .hardware import GIB, Hardware, hardware
 from .layouts import candidate_sizes, layouts, package_ulysses
 from .host import allowance_bytes
-from .memory import Memory, activation_memory, offloaded_optimizer, static_memory
+from .memory import Memory, activation_memory, may_park_features, offloaded_optimizer, static_memory
 from .rows import Row
 from .timing import Time, step_time
 from .training import CALIBRATED, Constants, Training
@@ -85,14 +85,16 @@ def plan(model="qwen3-vl-8b", row: Row | int = 131072, gpu: str | Hardware = "h1
         for ulysses, ring in layouts(dims, size):
             if not all_layouts and ulysses != chosen:
                 continue
-            memory = activation_memory(dims, row, t, c, size, ulysses)
+            stepped = features_by_need(dims, row, t, c, size, ulysses, weights + grads + optimizer, hw.device_budget)
+            memory = activation_memory(dims, row, stepped, c, size, ulysses)
             memory.weights, memory.gradients, memory.optimizer = weights, grads, optimizer
             memory.host_optimizer = offloaded_optimizer(dims, t, size * t.dp)
             per_node = min(size * t.dp, gpus_per_node)
             allowance = allowance_bytes(per_node, hw.host_memory_gib) / GIB
-            other = activation_memory(dims, row, flipped, c, size, ulysses)
+            other = activation_memory(dims, row, replace(flipped, park_features=stepped.park_features), c, size,
+                                      ulysses)
             other.weights, other.gradients, other.optimizer = weights, grads, optimizer
-            time = step_time(dims, row, t, hw, size, ulysses, gpus_per_node)
+            time = step_time(dims, row, stepped, hw, size, ulysses, gpus_per_node)
             device_fits = memory.total <= hw.device_budget
             host_fits = memory.host_total * per_node / GIB + allowance <= hw.host_memory_gib
             rows.append(PlanRow(size=size, ulysses=ulysses, ring=ring, nodes=-(-size // gpus_per_node),
@@ -104,6 +106,16 @@ def plan(model="qwen3-vl-8b", row: Row | int = 131072, gpu: str | Hardware = "h1
                                 host_allowance_gib=allowance))
     mark(rows)
     return rows
+
+
+def features_by_need(dims, row: Row, t: Training, c: Constants, size: int, ulysses: int, static: float,
+                     budget: float) -> Training:
+    """`t` with `park_features` decided as the package decides it by need: parked only where the row does not fit the
+    device with its features there (parking costs host memory and synchronous copies); as set otherwise."""
+    if not may_park_features(t, size):
+        return t
+    kept = activation_memory(dims, row, replace(t, park_features=False), c, size, ulysses)
+    return replace(t, park_features=kept.total + static > budget)
 
 
 def mark(rows: list[PlanRow]) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .dims import ModelDims
 from .hardware import Hardware
 from .layouts import replicated
-from .memory import vision_tile
+from .memory import parks_features, vision_tile
 from .rows import Row
 from .training import Training
 
@@ -146,6 +146,10 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
                 state / bw + hw.latency_s * math.ceil(math.log2(ring)))
     if t.offload_checkpoints and t.gradient_checkpointing:
         out.offload_copies, out.offload = offload_seconds(d, row, t, hw, size, out.compute)
+    if parks_features(t, size):
+        parked = parked_feature_seconds(d, row, t, hw, size)
+        out.offload_copies += parked
+        out.offload += parked
     if t.sharding in ("zero3", "fsdp"):  # gather forward (and recompute) and backward, reduce-scatter backward
         world = size * t.dp
         if world > 1:
@@ -153,6 +157,14 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
             comm = (forward_passes + 2) * b * d.params() * (world - 1) / world / bw
             out.sharding = max(0.0, comm - out.compute)
     return out
+
+
+def parked_feature_seconds(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int) -> float:
+    """Seconds of the parked vision features' copies on one rank (`offload.park_features`), all exposed (they run on
+    the compute stream, from and to pageable memory): the slice's merged and deepstack features to the host and back
+    to the device where the decoder reads them, their gradients the same way in backward — four moves of them."""
+    vision_local = row.vision_tokens / size
+    return 4 * t.bytes_per_value * vision_local * d.hidden * (1 + d.deepstack) / (hw.host_gbs * 1e9)
 
 
 def offload_seconds(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, compute_s: float) -> tuple[float, float]:

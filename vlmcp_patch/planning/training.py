@@ -43,6 +43,11 @@ class Training:
     # the ring posts each pass before computing its block and waits after it (`collectives.start_pass`): only
     # `Time.ring_overlapped` stays exposed; False prices the serial schedule (`VLMCP_RING_OVERLAP=0`)
     ring_overlap: bool = True
+    # with the checkpoint offload under CP, the slice's vision features wait on the host between the tower and the
+    # decoder and their gradients between the decoder and the tower (`VLMCP_OFFLOAD_FEATURES`, `offload.park_features`):
+    # None: where the row needs it to fit the device, as the package decides by need (`table.plan`); True / False:
+    # as set
+    park_features: bool | None = None
 
 
 @dataclass(frozen=True)
