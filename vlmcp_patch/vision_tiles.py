@@ -1,4 +1,4 @@
-"""The vision tower over tiles of items under CP: never the whole share's tower activations at once.
+"""The vision tower over tiles of items: never the whole share's tower activations at once.
 
 The tower's blocks never mix items: attention runs within one image or one temporal patch group (`cu_seqlens`), and
 everything else is per patch or per merged token. So a rank's share by items (`forward/vision.encode_items`) can run
@@ -41,11 +41,13 @@ that holds FSDP2 units (the newest Accelerate's policy wraps its blocks) runs un
 collectives on different ranks). A tower inside one FSDP2 unit (Accelerate 1.11 wraps it with the root) is gathered
 whole with that unit, and tiles.
 
-The ranks of a CP group take one path (`group_tiles`): when any rank's share makes several tiles, every rank runs its
-share through the function, in one tile if that is all it makes (a rank with nothing to encode: its placeholder as
-one tile). The vision parameters' gradients then arrive in the same order on every rank — ZeRO-2 packs gradients into
-its buckets in the order they arrive and reduces the buckets' flat buffers across ranks, so a tiled rank beside an
-untiled one (all weights' gradients at once against block by block) would sum different parameters' gradients.
+A switch that is on always takes the tiled function (`group_tiles`), even for one tile: every rank of a CP group runs
+its share through it, in one tile if that is all it makes (a rank with nothing to encode: its placeholder as one
+tile), and so does every data replica. The vision parameters' gradients then arrive in an order set by the switch
+alone, never by a rank's row — ZeRO-2 packs gradients into its buckets in the order they arrive and reduces the
+buckets' flat buffers across ranks, so a tiled rank beside an untiled one (all weights' gradients at once against
+block by block) would sum different parameters' gradients. One tile is exact as the untiled tower is: the function
+runs it once, keeps its features, and recomputes it once in backward (`tiled_recompute.py`).
 
 Tiles (`plan_tiles`): a rank's units split into their temporal patch groups (a video unit of t groups is t
 independent groups to the tower), packed in order into tiles of at most `tile_patches` patches (a group larger than
@@ -54,13 +56,21 @@ that is a tile of its own); each tile is one contiguous range of the rank's pixe
 
 Tile size (`tile_patches`): `vision_tile_patches` when set; else equal tiles whose activations (every block's, as
 a tile's recompute keeps them) take at most the memory of the share's kept features, and hold at least `MIN_TILE`
-patches. When no rank's share makes two tiles, every rank runs the stock tower, untouched.
+patches.
 
 RNG: each tile's recompute replays the random state its forward started from (as torch's checkpoint does), so a
 tower with dropout recomputes the same masks; the masks themselves are drawn per tile, so differ from an untiled
 tower's draw (the released towers have no dropout).
 
-Only under CP (`cp_size() > 1`), not while torch.compile traces.
+When: as set (`VLMCP_VISION_TILE_PATCHES=N` or `on`, at any P), or under CP when the row needs it (`switches.py`,
+chosen by `by_need.py`); not while torch.compile traces. With CP off (P=1, or inside `disabled()`) the switch on (at
+P=1: set) tiles every call of the tower that asks for its features alone (`tiles_call_without_cp`; stock
+`get_image_features` and `get_video_features` do): the tower's patched forward (`forward/vision.tower_forward`) runs
+the call's own items through this function and returns the stock output class with the features whole —
+`last_hidden_state`, which nothing of stock's reads, None. Unset (`auto`) or `0`, CP off runs the stock tower, bit
+for bit. A call that asks for the blocks' hidden states or attentions, a tuple, or passes per-patch tables of the
+whole call runs whole. ZeRO-3 makes the tower a leaf under CP only (`gather_whole_towers_under_zero3`, from the
+DeepSpeed integration): at P=1 it gathers the tower module by module, which runs untiled (above).
 """
 
 from __future__ import annotations
@@ -72,7 +82,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .patching import cp_size
 from .settings import AUTO, SETTINGS
 from .sharding import gathers_per_submodule_call, make_zero3_leaf
 from .stats import TileCounts
@@ -177,12 +186,30 @@ def vision_in_tiles(encode: Callable[[Tile, torch.Tensor], torch.Tensor], tower:
 
 
 def tiling_applies(tower: torch.nn.Module) -> bool:
-    """Whether the tower runs in tiles now: under CP, tiling not turned off, not while torch.compile traces, its
-    parameters not gathered per module (module docstring)."""
+    """Whether the tower runs in tiles now: its switch on (`switches.vision_tiles_on`: as set at any P, chosen by
+    need under CP), not while torch.compile traces, its parameters not gathered per module (module docstring)."""
     from .switches import vision_tiles_on  # set, or chosen by need under CP
 
-    return (cp_size() > 1 and vision_tiles_on() and not torch.compiler.is_compiling()
-            and not gathers_per_submodule_call(tower))
+    return vision_tiles_on() and not torch.compiler.is_compiling() and not gathers_per_submodule_call(tower)
+
+
+# What a call of the tower may ask beside its features (merged and deepstack). The tiles return the features only,
+# and each tile computes its own per-patch tables, so a call outside CP's vision path that asks for any of these
+# runs whole: the hidden states or attentions of the blocks, or a tuple (whose positions hold the last hidden state).
+WHOLE_CALL_FLAGS = ("output_hidden_states", "output_attentions")
+
+
+def tiles_call_without_cp(tower: torch.nn.Module, kwargs: dict, tables: Sequence[str]) -> bool:
+    """Whether a call of the tower outside a CP forward's vision path (CP off: P=1, or `disabled()`) runs in tiles:
+    tiling applies (`tiling_applies`: at P=1 only where `VLMCP_VISION_TILE_PATCHES` is set, `N` or `on`), and the
+    call asks for its features alone, in an output object: no hidden states or attentions, no tuple, no per-patch
+    tables of the whole call (`tables`: their keyword names; each tile computes its own from its grid)."""
+    config = tower.config
+    if any(kwargs.get(flag, getattr(config, flag, False)) for flag in WHOLE_CALL_FLAGS):
+        return False
+    if kwargs.get("return_dict", getattr(config, "return_dict", True)) is False:
+        return False
+    return not any(name in kwargs for name in tables) and tiling_applies(tower)
 
 
 def _tiles_of(config, units: Sequence[tuple[int, int, int]]) -> list[Tile]:
@@ -196,9 +223,11 @@ def _tiles_of(config, units: Sequence[tuple[int, int, int]]) -> list[Tile]:
 
 
 def group_tiles(tower, shares: Sequence[Sequence[tuple[int, int, int]]]) -> bool:
-    """Whether the group runs the tower in tiles: tiling applies and some rank's share (`shares[r]`: rank r's units
-    [(frames, height, width)]) makes two tiles or more. The same on every rank: the shares are the plan's."""
-    return tiling_applies(tower) and any(len(_tiles_of(tower.config, units)) > 1 for units in shares)
+    """Whether the group runs the tower in tiles: whenever tiling applies, on every rank, whatever its share makes
+    (`shares[r]`: rank r's units [(frames, height, width)]) — one tile goes through the tiled function too, so the
+    vision parameters' gradients arrive in an order set by the switch alone, never by the row (module docstring). The
+    shares no longer decide; the argument stays for the caller (`forward/vision.encode_items`)."""
+    return tiling_applies(tower)
 
 
 # The keyword argument with which `forward/vision.encode_items` asks the tower's patched forward for its share's joined

@@ -13,10 +13,11 @@ from tests.helpers.vision_tile_cases import UNEVEN_VIDEOS, VIDEO_GROUPS, _model_
 
 # (name, layout, patches per tile), at P=2: the uneven videos make four tiles on rank 0 and one on rank 1 (one tower
 # call); the video of four groups beside two images, in tiles of a group, makes a tiled call (the video) and an untiled
-# one (an image per rank), in tiles of a million patches two untiled calls: the leaf tower called twice per forward;
-# with vision tiling off (0) the tower is no leaf, gathered module by module, and called twice.
+# one (the two images, which do not balance over two ranks, shared by patches: never tiled); by need with no memory
+# limit known ("auto") two untiled calls: the leaf tower called twice per forward; with vision tiling off (0) the
+# tower is no leaf, gathered module by module, and called twice.
 ZERO3_CASES = [("uneven tiles", UNEVEN_VIDEOS, 16), ("tiled and untiled calls", VIDEO_GROUPS, 1),
-               ("untiled calls", VIDEO_GROUPS, 10**6), ("vision tiling off", VIDEO_GROUPS, 0)]
+               ("untiled calls", VIDEO_GROUPS, "auto"), ("vision tiling off", VIDEO_GROUPS, 0)]
 
 
 def _reference_grads(model, batch) -> tuple[float, dict]:
