@@ -252,3 +252,80 @@ def test_the_benchmark_prints_the_ratio_and_the_choice_time():
     assert len(ratios) == 2 and all(float(r) > 0 for r in ratios), run.stdout
     choice = re.search(r"the choice per forward: ([\d.]+) ms", run.stdout)
     assert choice and float(choice.group(1)) > 0, run.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Across replicas and across forwards (2 replicas x P=2, gloo): one switch set for every rank that reduces gradients
+# together, and each forward's own choice in its recomputation
+
+
+@pytest.fixture(scope="module")
+def replicas_and_forwards():
+    from tests.helpers.replica_choice_cases import replicas_and_forwards
+
+    return run_distributed(replicas_and_forwards, 4, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """One process's stock gradients: each replica's row alone, both rows' sum, with the package reverted."""
+    import vlmcp_patch
+    from tests.helpers.replica_choice_cases import reference
+
+    try:
+        return {"short": reference(["short"]), "long": reference(["long"]), "both": reference(["long", "short"])}
+    finally:
+        vlmcp_patch.enable(cp_size=1)
+
+
+def _assert_equal_grads(grads: dict, want: dict, where: str) -> None:
+    assert grads.keys() == want.keys(), where
+    for name, grad in grads.items():
+        torch.testing.assert_close(torch.as_tensor(grad), want[name], rtol=TOL, atol=TOL, msg=f"{where}: {name}")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("phase", ["agreed", "explicit"])
+def test_replicas_run_one_switch_set_and_deliver_their_gradients_in_one_order(replicas_and_forwards, references,
+                                                                             phase):
+    """Replica 0 trains a short row that fits untiled, replica 1 a long one whose slice needs the MLP tiles (by need
+    at one budget; or `VLMCP_MLP_TILE_TOKENS` set, where the short slice makes one tile and the long one two). Every
+    rank ran the same switches, took the tiled MLP (one tile included), accumulated its parameters' gradients in the
+    same order (the order ZeRO-1/2 fill their buckets in), and the world's sum of gradients equals one process's stock
+    gradients of the two rows."""
+    runs = [rank[phase] for rank in replicas_and_forwards]
+    assert all(run["choices"] == [["mlp"]] for run in runs), [run["choices"] for run in runs]
+    assert all(run["order"] == runs[0]["order"] for run in runs), "the replicas' gradients arrived in other orders"
+    assert all(run["tiles"]["calls"] > 0 for run in runs)  # the short replica's one-tile MLPs ran the tiled function
+    short, long = runs[0]["tiles"], runs[2]["tiles"]
+    assert short["forward_tiles"] == short["calls"] and long["forward_tiles"] == 2 * long["calls"], (short, long)
+    want = {n: references["short"][n] + references["long"][n] for n in references["short"]}
+    for rank, run in enumerate(runs):
+        _assert_equal_grads(run["grads"], want, f"rank {rank}, {phase}")
+
+
+@pytest.mark.integration
+def test_the_control_agreed_per_group_only_runs_other_switches_in_another_order(replicas_and_forwards):
+    """The control (the old behaviour, the switches agreed within each CP group only): the short replica runs no
+    switch, the long one the MLP tiles, and their gradients arrive in different orders — misaligned ZeRO-1/2
+    buckets."""
+    runs = [rank["per_group"] for rank in replicas_and_forwards]
+    assert [run["choices"] for run in runs] == [[[]], [[]], [["mlp"]], [["mlp"]]]
+    assert runs[0]["order"] == runs[1]["order"] and runs[2]["order"] == runs[3]["order"]
+    assert runs[0]["order"] != runs[2]["order"]
+
+
+@pytest.mark.integration
+def test_two_forwards_before_one_backward_each_recompute_with_their_own_choice(replicas_and_forwards, references):
+    """The long row's forward (MLP tiles by need), then the short row's (none), then one backward of both losses'
+    sum under non-reentrant gradient checkpointing: each checkpointed layer is recomputed with its own forward's
+    switches, no error, and the group's gradients equal stock's. The control (the switches read from the last
+    forward, the old behaviour) recomputes the long row's layers without their tiles: the checkpoint refuses."""
+    for rank, result in enumerate(replicas_and_forwards):
+        run = result["two_forwards"]
+        assert run["choices"] == [["mlp"], []], run["choices"]
+        assert "error" not in run, run.get("error")
+        _assert_equal_grads(run["grads"], references["both"], f"rank {rank}, two forwards")
+        control = result["two_forwards_global"]
+        assert control["choices"] == [["mlp"], []]
+        assert "CheckpointError" in control.get("error", ""), control.get("error")

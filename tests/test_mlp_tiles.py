@@ -68,6 +68,43 @@ def test_cp_off_is_stock_bit_for_bit(reapply):
     assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
 
 
+def test_one_tile_runs_the_tiled_function_and_equals_stock(reapply):
+    """A switch on means the tiled function, even where the tokens make one tile (`VLMCP_MLP_TILE_TOKENS` larger than
+    every MLP's input here): every MLP goes through it once per call as one tile — the point in backward where its
+    weights' gradients arrive is set by the switch alone, never by the row (replicas agree on switches, `by_need`) —
+    and the loss and every gradient equal stock's (fp32, within 1e-5)."""
+    import vlmcp_patch
+    from tests.helpers.tile_cases import _model_and_batch
+
+    model, batch = _model_and_batch("qwen3_vl", "moe_multi_image")
+    vlmcp_patch.revert()
+    ref_loss, ref_grads = stock_step(model, batch)
+    vlmcp_patch.apply()
+    vlmcp_patch.enable(cp_size=1, mlp_tile_tokens=100_000)
+    TILES.drain()
+    try:
+        loss, grads = stock_step(model, batch)
+    finally:
+        vlmcp_patch.enable(mlp_tile_tokens="auto")
+    tiles = TILES.drain()
+    assert tiles["calls"] > 0 and tiles["forward_tiles"] == tiles["calls"] == tiles["backward_tiles"], tiles
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_an_empty_slice_makes_one_empty_tile():
+    """No tokens (an MLP's input of zero rows): one empty tile, its output and gradients empty or zero, no error."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.GELU(), torch.nn.Linear(24, 8))
+    x = torch.randn(0, 8, requires_grad=True)
+    assert tile_bounds(0, tile_tokens(0, 8, 24)) == [(0, 0)]
+    out = tokenwise_tiles(mlp.forward, tile_bounds(0, 1), TILES, [x], list(mlp.parameters()))
+    out.sum().backward()
+    assert out.shape == (0, 8) and x.grad.shape == (0, 8)
+    assert all(p.grad is not None and not p.grad.any() for p in mlp.parameters())
+
+
 def test_tiles_sum_each_parameter_gradient_before_delivering_it():
     """The function alone: outputs and input gradients per tile, parameter gradients summed over the tiles and
     accumulated once — an accumulation per tile (DeepSpeed TiledMLP's problem) would fire the hook five times."""
@@ -118,7 +155,8 @@ def test_tiles_in_bf16_are_as_near_the_exact_gradient_as_the_untiled_mlp(capsys)
 @pytest.mark.parametrize("tokens, configured, expected", [
     (100_000, "auto", 8334),  # 12 tiles: a tile's intermediates (4 x 3 x hidden per token) within the hidden states
     (5_000, "auto", 1250),  # the tile's floor, MIN_TILE, in equal tiles
-    (700, "auto", 700),  # shorter than a tile: one tile, the stock forward
+    (700, "auto", 700),  # shorter than a tile: one tile (still through the tiled function)
+    (0, "auto", 1),  # an empty slice: one empty tile
     (100, 7, 7),
     (100, 0, 100),  # 0: untiled
 ])
@@ -131,7 +169,7 @@ def test_tile_size(tokens, configured, expected):
     (100_000, 1024, "auto", 1031),  # at most hidden_size, at least MIN_TILE: 97 tiles
     (5_000, 1024, "auto", 1250),  # MIN_TILE bounds the count: 4 tiles
     (20_000, 4096, "auto", 1667),  # below 12 x hidden_size tokens the intermediates' bound is the tighter
-    (700, 4096, "auto", 700),  # one tile: the stock forward
+    (700, 4096, "auto", 700),  # one tile (still through the tiled function)
     (500_000, 4096, 0, 500_000),
     (500_000, 4096, 9_000, 9_000),
 ])

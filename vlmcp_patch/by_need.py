@@ -21,13 +21,26 @@ At every CP forward, before any compute (`choose_switches`, called by `forward.t
    taken: `SWITCHES` lists them cheapest first, and a set costs more than every set of cheaper switches only (the
    MLP tiles alone cost more than the other three together). A row that fits with none runs stock-fast, untiled.
    A row that does not fit with every allowed switch raises on every rank before compute, naming the longest row
-   that fits and the P or settings that would fit this one.
+   that fits and the P or settings that would fit this one;
+4. the replicas agree (`agreed_over_replicas`): a tiled MLP, a recomputed norm or a tiled tower delivers its weights'
+   gradients at other points of the backward than stock, and ZeRO-1/2 fill their buckets in that arrival order, so
+   every rank whose gradients are reduced together must run the same of those switches (`ORDERED`). The union over
+   the world (the data-parallel replicas of the CP groups: the ranks DDP, DeepSpeed and FSDP2 reduce over) is taken:
+   one all-reduce (MAX) of four flags, issued by every rank at every CP forward with a graph, beside the group's
+   room's. A switch only ever lowers a row's peak, so the union fits every replica. A replica whose row is refused
+   says so in the same all-reduce: every rank of every replica raises, none waits in a gradient reduction. The
+   fused head's chunk is left per group: the head's gradient arrives at one point whatever its chunk, and a small
+   chunk forced onto a row whose automatic chunk is smaller would cost memory. The tiled functions run whenever their
+   switch is on, one tile included (`tiles.py`), so the switches alone set the arrival order, not the rows.
 
-Deciding at every forward with a graph (not only the first; a forward without one keeps the last choice, which a
-pending backward's recomputation reads) costs one number's all-reduce and a few microseconds of arithmetic,
-and follows what the first step cannot see: an optimizer that creates its states at its first step leaves less room
-from the second forward on, and a longer row later is priced as itself. Every rank of a group has the same row (the
-agreement checks it) and the same agreed room, so every rank takes the same decision.
+Deciding at every forward with a graph (not only the first; a forward without one runs with the last choice, no
+collective) costs one number's all-reduce in the group, four flags' over the world (with replicas) and a few
+microseconds of arithmetic, and follows what the first step cannot see: an optimizer that creates its states at its
+first step leaves less room from the second forward on, and a longer row later is priced as itself. Every rank of a
+group has the same row (the agreement checks it) and the same agreed room, so every rank takes the same decision.
+
+The choice returned is the forward's own: the forward freezes it into its `CPContext`, and everything that forward
+built reads it there, in forward and in its recomputation in backward (`switches.py`), whatever a later forward chose.
 
 Rank 0 of each CP group logs one line (logger "vlmcp_patch", WARNING: shown by Python's default handler, the HF
 Trainer's and the CLIs' log configurations alike) at the first CP forward, and again only when the choice changes.
@@ -55,6 +68,7 @@ from .switches import (  # noqa: F401 (the state and the switches' names, read t
     VARIABLES,
     Choice,
     Switches,
+    checkpoints_carry_the_choice,
     explicit,
     in_effect,
     loss_chunk_tokens,
@@ -267,19 +281,52 @@ def refusal(dims, row, base, size: int, ulysses: int, room: float, best: tuple[S
             + (f"This row would fit with {' or '.join(ways)}." if ways else "Nothing the package can switch fits it."))
 
 
+# The switches that set when a parameter's gradient arrives in backward (module docstring, 4.): the replicas agree on
+# them. Not the head's chunk.
+ORDERED = ("norms", "vision", "mlp")
+
+
+def agreed_over_replicas(switches: Switches, refused: bool, device: torch.device) -> tuple[Switches, bool]:
+    """(`switches` with every `ORDERED` switch any replica runs, whether any replica's row was refused) — module
+    docstring, 4. One all-reduce (MAX) of four flags over the world (`distributed.world_group`: every rank, in a group
+    of its own so it never interleaves with the wrappers' gradient reductions), through the package's collective
+    wrapper, on `device`. Issued by every rank, refused or not, at the same point; with one replica the CP group has
+    agreed already: nothing to issue."""
+    from .collectives.communication import communicate
+    from .distributed import data_parallel_world_size, world_group
+
+    if data_parallel_world_size() == 1:
+        return switches, refused
+    flags = torch.tensor([*(float(getattr(switches, n)) for n in ORDERED), float(refused)], dtype=torch.float64,
+                         device=device)
+    group = world_group()
+    communicate("all-reduce", group, flags.numel(),
+                lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group))
+    union = replace(switches, **{n: bool(flags[i] > 0) for i, n in enumerate(ORDERED)})
+    return union, bool(flags[-1] > 0)
+
+
+def another_replica_refused() -> str:
+    return ("another data-parallel replica's row does not fit the device (its ranks raise with the longest row that "
+            "fits and what would fit it): every replica stops before compute, as its gradients would be reduced with "
+            "this replica's")
+
+
 def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | None:
-    """The switches of this CP forward (module docstring), in effect until the next CP forward; logged by rank 0 of
-    the group at the first one and when they change. Raises `UnsupportedSetupError` on every rank when the row
-    cannot fit. Called by every rank of the group at the same point (one all-reduce, on `device`: the batch's, where
-    the group's collectives run). None at P=1."""
+    """The switches of this CP forward (module docstring), returned for the forward to freeze into its context
+    (`CPContext.choice`); logged by rank 0 of the group at the first one and when they change. Raises
+    `UnsupportedSetupError` on every rank of every replica when a replica's row cannot fit. Called by every rank of
+    the world at the same point of each CP forward (one all-reduce over the group, one over the world with replicas,
+    on `device`: the batch's, where the group's collectives run). None at P=1."""
     from .distributed import data_parallel_world_size
     from .planning import dims_from_config
 
     if ctx.cp.size == 1:
         return None  # a packed row at P=1 takes the package's path: no switch acts there by need, nothing to price
+    checkpoints_carry_the_choice(model)  # a checkpointed layer is recomputed under its own forward's choice
     if STATE.choice is not None and not torch.is_grad_enabled():
-        # a forward without a graph (a reference model's, an evaluation) keeps the choice a training forward's backward
-        # may still recompute with; the same on every rank of the group (the same code runs there), no all-reduce
+        # a forward without a graph (a reference model's, an evaluation) runs with the last choice, agreed by every
+        # replica; the same on every rank of the world (the same code runs there), no all-reduce
         return STATE.choice
     room = agreed_room(local_room(model, device), ctx.cp, device)
     dims = _dims(model, dims_from_config)
@@ -287,7 +334,21 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
     row = row_of_call(call, ctx.seq_len, ctx.segments, merge)
     split = ctx.split
     base = training_of(model, Switches())
-    switches, peak, why = choose(dims, row, base, ctx.cp.size, split.ulysses, room)
+    refusal = None
+    try:
+        own, peak, why = choose(dims, row, base, ctx.cp.size, split.ulysses, room)
+    except UnsupportedSetupError as error:  # said to the other replicas first, then raised
+        own, peak, why, refusal = Switches(), math.inf, "", error
+    switches, refused_somewhere = agreed_over_replicas(own, refusal is not None, device)
+    if refusal is not None:
+        raise refusal
+    if refused_somewhere:
+        raise UnsupportedSetupError(another_replica_refused())
+    if switches != own:
+        peak = predicted_peak(dims, row, _with(base, switches), ctx.cp.size, split.ulysses)
+        added = ", ".join(LABELS[n] for n in switches.on() if n not in own.on())
+        why = (f"{why}; {added} on as another replica's row needs them (the replicas' gradients are reduced "
+               "together, in one order)")
     choice = Choice(switches=switches, explicit=tuple(n for n in SWITCHES if explicit(n) is not None), why=why,
                     peak=peak, room=room, tokens=row.tokens, patches=row.patches(dims), size=ctx.cp.size,
                     ulysses=split.ulysses, ring=split.ring, replicas=data_parallel_world_size())

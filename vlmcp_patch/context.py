@@ -23,6 +23,7 @@ from .collectives.order import CollectiveOrder
 from .distributed import CPGroup, HybridGroups, gather_sequence, hybrid_groups
 from .flags import scoped
 from .layout import Segment, Split, VisionShare, cu_seqlens_of
+from .switches import under_choice
 
 CTX_KWARG = "vlmcp_ctx"
 
@@ -118,6 +119,9 @@ class CPContext:
     # Per ZeRO-3 leaf vision tower (by id), the anchor of its first call in this forward as that call's hooks passed it
     # on: the later calls' anchors derive from it (`forward/vision.tower_call`).
     tower_anchors: dict = field(default_factory=dict)
+    # The memory switches of this forward (`switches.Choice`, chosen by need before any compute; None at P=1): in effect
+    # while it runs and while what it built is recomputed in backward, whatever a later forward chose (`switches.py`).
+    choice: object | None = None
 
     @property
     def seq_len(self) -> int:
@@ -234,9 +238,9 @@ class CPContext:
 
     @contextlib.contextmanager
     def running(self):
-        """Make this the current CP forward (and its collectives' order) for the stock forward run inside the block;
-        with `VLMCP_DEBUG_COLLECTIVES=1` the ranks compare their collectives when it ends."""
-        with scoped(_RUNNING, self), self.order.running():
+        """Make this the current CP forward (its collectives' order, its switches) for the stock forward run inside the
+        block; with `VLMCP_DEBUG_COLLECTIVES=1` the ranks compare their collectives when it ends."""
+        with scoped(_RUNNING, self), self.order.running(), under_choice(self.choice):
             yield self
         self.order.check("in forward")
 

@@ -1,18 +1,29 @@
-"""The memory switches in effect: what the settings force, what the last CP forward chose by need (`by_need.py`
+"""The memory switches in effect: what the settings force, what each CP forward chose by need (`by_need.py`
 chooses, from the plan's price of the row), and the one line that says so.
 
 The tiles (`tiles.py`, `vision_tiles.py`), the norms and the fused head read their switch here; the forward asks
 `choose_switches` before any compute. The choice itself needs the cost model (`planning/`), a layer above the forward:
 `by_need` registers it here when the package loads (`CHOOSER`), so this module stays below everything that reads it.
+
+A forward's choice is frozen into its `CPContext` (`choice`) and read from there, never from "the last choice": it is
+in effect while that forward runs (`CPContext.running` sets `under_choice`), and again while anything it built is
+recomputed in backward — a layer transformers checkpointed (`checkpoints_carry_the_choice`), a tiled function
+(`tiled_recompute` replays `forward_choice`). A second forward before the first one's backward therefore never changes
+what the first one's recomputation runs: the same tiles, the same saved tensors (a non-reentrant checkpoint checks
+them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import logging
 from dataclasses import dataclass, fields
 
 import torch.distributed as dist
 
+from .flags import scoped
 from .patching import cp_size
 from .settings import AUTO, ON, SETTINGS
 
@@ -77,7 +88,7 @@ class Choice:
 
 
 class _State:
-    choice: Choice | None = None  # the last CP forward's
+    choice: Choice | None = None  # the last CP forward's: a forward without a graph runs with it (`by_need`)
     logged: Switches | None = None  # what this process's line last said
     p1_logged: bool = False
 
@@ -102,15 +113,45 @@ def explicit(name: str) -> bool | None:
     return None if value == AUTO else value != 0
 
 
+# The choice of the CP forward whose code runs now (module docstring): set while the forward runs and while what it
+# built is recomputed; `_NO_FORWARD` outside both.
+_NO_FORWARD = object()
+_FORWARD_CHOICE: contextvars.ContextVar = contextvars.ContextVar("vlmcp_forward_choice", default=_NO_FORWARD)
+
+
+def under_choice(choice: Choice | None) -> contextlib.AbstractContextManager:
+    """The block runs under `choice` (a forward's; None: nothing by need). Set by `CPContext.running`, by the carried
+    checkpoints and by `tiled_recompute` (around a recomputation)."""
+    return scoped(_FORWARD_CHOICE, choice)
+
+
+def forward_choice():
+    """What `under_choice` set around the code running now, to be replayed around its recomputation
+    (`replayed_choice`): a forward's choice, None, or the mark of no forward."""
+    return _FORWARD_CHOICE.get()
+
+
+def replayed_choice(captured) -> contextlib.AbstractContextManager:
+    """The block runs under what `forward_choice` returned when the recomputed code first ran."""
+    return contextlib.nullcontext() if captured is _NO_FORWARD else under_choice(captured)
+
+
 def in_effect(name: str) -> bool:
-    """Whether switch `name` acts now: as set, at any P; chosen by need under CP (the last CP forward's choice); off
-    at P=1 unless set. An explicit switch acting at P=1 logs one line, once."""
+    """Whether switch `name` acts now: as set, at any P; chosen by need under CP (the choice of the forward running or
+    being recomputed, module docstring); off at P=1 unless set. An explicit switch acting at P=1 logs one line, once.
+    Outside any CP forward and its recomputations — a layer another mechanism than transformers' checkpoints,
+    recomputed in backward — the last CP forward's choice."""
     forced = explicit(name)
     if forced is not None:
         if forced and cp_size() == 1 and name != "loss_chunk":
             _log_p1_once(name)
         return forced
-    return cp_size() > 1 and STATE.choice is not None and getattr(STATE.choice.switches, name)
+    if cp_size() == 1:
+        return False
+    choice = _FORWARD_CHOICE.get()
+    if choice is _NO_FORWARD:
+        choice = STATE.choice
+    return choice is not None and getattr(choice.switches, name)
 
 
 def mlp_tiles_on() -> bool:
@@ -125,10 +166,11 @@ def vision_tiles_on() -> bool:
     return in_effect("vision")
 
 
-def loss_chunk_tokens() -> int:
-    """Tokens per chunk of the fused head: as set, else the small chunk where the row needs it, else 0 (the
-    automatic rule, `loss.chunk_tokens`)."""
-    return SETTINGS.loss_chunk_tokens or (SMALL_LOSS_CHUNK if in_effect("loss_chunk") else 0)
+def loss_chunk_tokens(choice: Choice | None = None) -> int:
+    """Tokens per chunk of the fused head: as set, else the small chunk where the row needs it (`choice`: the
+    forward's; None: the one in effect now), else 0 (the automatic rule, `loss.chunk_tokens`)."""
+    needed = in_effect("loss_chunk") if choice is None else choice.switches.loss_chunk
+    return SETTINGS.loss_chunk_tokens or (SMALL_LOSS_CHUNK if needed else 0)
 
 
 def size_setting(configured: int | str) -> int | str:
@@ -150,6 +192,32 @@ def _log_p1_once(name: str) -> None:
                     "norms": 1}[name])
 
 
+def checkpoints_carry_the_choice(model) -> None:
+    """Every layer of `model` that transformers checkpoints (`gradient_checkpointing_enable`: its
+    `_gradient_checkpointing_func`, reentrant or not) is recomputed in backward under the choice in effect when its
+    forward ran (module docstring). Wraps each layer's checkpoint function once; a function set again later (checkpointing
+    enabled anew) is wrapped at the next CP forward, before it runs. Called at every CP forward (`by_need`)."""
+    for module in model.modules():
+        checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+        if callable(checkpoint) and not getattr(checkpoint, "vlmcp_carries_choice", False):
+            module._gradient_checkpointing_func = _carrying_the_choice(checkpoint)
+
+
+def _carrying_the_choice(checkpoint):
+    def checkpoint_under_the_choice(function, *args, **kwargs):
+        return checkpoint(functools.partial(_run_under, forward_choice(), function), *args, **kwargs)
+
+    checkpoint_under_the_choice.vlmcp_carries_choice = True
+    # what `offload._saves_on_cpu` reads of a checkpoint function (a partial's `func`): the wrapped one's
+    checkpoint_under_the_choice.func = getattr(checkpoint, "func", checkpoint)
+    return checkpoint_under_the_choice
+
+
+def _run_under(captured, function, *args, **kwargs):
+    with replayed_choice(captured):
+        return function(*args, **kwargs)
+
+
 CHOOSER: list = []  # by_need.choose_switches, registered when the package loads
 
 
@@ -157,3 +225,14 @@ def choose_switches(model, call: dict, ctx, device):
     """The switches of this CP forward, chosen by the registered chooser (`by_need.choose_switches`: its contract);
     None where none is registered (the explicit settings alone act)."""
     return CHOOSER[0](model, call, ctx, device) if CHOOSER else None
+
+
+def features_on_host() -> bool:
+    """Whether a CP forward parks its vision features on the host (`offload.park_features`): as set
+    (`VLMCP_OFFLOAD_FEATURES`), else by need — with the checkpoint offload on, where the last CP forward's choice
+    needed it."""
+    setting = SETTINGS.offload_features
+    if setting != AUTO:
+        return bool(setting)
+    return (SETTINGS.offload_checkpoints and cp_size() > 1 and STATE.choice is not None
+            and getattr(STATE.choice.switches, "features", False))

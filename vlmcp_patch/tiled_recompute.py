@@ -2,9 +2,10 @@
 (`tiles.py`), the vision tower over tiles of items (`vision_tiles.py`).
 
 Forward runs a function tile by tile and keeps nothing of a tile but its rows of the output (and the inputs, saved
-for backward). Backward recomputes each tile with gradients, as its forward ran (the same autocast state; where the
-caller asks, the same random state), back-propagates the tile's rows of the output's gradient, and lets the tile's
-intermediates go before the next one: one tile's working set is alive at a time.
+for backward). Backward recomputes each tile with gradients, as its forward ran (the same autocast state, the same
+memory switches — the choice of the forward that ran it, `switches.py`, not a later forward's; where the caller asks,
+the same random state), back-propagates the tile's rows of the output's gradient, and lets the tile's intermediates go
+before the next one: one tile's working set is alive at a time.
 
 Gradients: an input's rows get their tile's gradient (each row belongs to one tile: exact). A parameter's gradient
 is summed over the tiles inside the function, in fp32 (fp64 parameters in fp64), and cast once to the parameter's
@@ -15,7 +16,9 @@ fp32 the tiled gradient is as near the exact one as the untiled (`tests/test_mlp
 sums are transient: one per parameter the function reads, for the length of its backward.
 
 One tile covering everything runs the function once and recomputes it once, returning its own output and gradients
-untouched (no copy, no cast).
+untouched (no copy, no cast). Its callers take this function whenever their switch is on, one tile included, so that
+when a parameter's gradient arrives depends on the switch alone, never on the row's length: replicas whose gradients
+are reduced in arrival order (ZeRO-1/2 buckets) agree on the switches (`by_need`), and so on that order.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .stats import TileCounts
+from .switches import forward_choice, replayed_choice
 
 Span = tuple[int, int]  # rows [a, b)
 
@@ -93,6 +97,7 @@ class RecomputedTiles(torch.autograd.Function):
         ctx.work, ctx.params = work, inputs[num_tiled:]
         ctx.anchor = None if anchor is None else (anchor.shape, anchor.dtype, anchor.device)
         ctx.autocast = autocast_of(work.device)
+        ctx.choice = forward_choice()  # the switches fn runs under, replayed in backward (module docstring)
         ctx.save_for_backward(*tiled)
         ctx.rng = []
         out = None
@@ -120,7 +125,7 @@ class RecomputedTiles(torch.autograd.Function):
         sums: list[torch.Tensor | None] = [None] * len(params)
         for k, ((a, b), (c, d)) in enumerate(work.spans):
             pieces = [t[a:b].detach().requires_grad_(want) for t, want in zip(tiled, wants)]
-            with torch.enable_grad(), torch.autocast(**ctx.autocast), work.scope(), \
+            with torch.enable_grad(), torch.autocast(**ctx.autocast), replayed_choice(ctx.choice), work.scope(), \
                     _replayed_rng(ctx.rng[k], work.device):
                 out = work.fn(k, *_placed(work, pieces))
             sources = [(i, x) for i, (x, want) in enumerate(zip([*pieces, *params], wants)) if want]

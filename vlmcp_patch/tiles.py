@@ -22,7 +22,9 @@ Tile size (`mlp_tile_tokens`): `VLMCP_MLP_TILE_TOKENS` when set; else equal tile
 memory of the slice's hidden states (`INTERMEDIATE_PER_HIDDEN`), of at most `hidden_size` tokens (DeepSpeed ALST's
 TiledMLP shards a sequence the same way: a long slice's tile then holds a fixed few hundred MB, not a share of the
 slice), and of at least `MIN_TILE` tokens — a shorter tile would read every weight for a few rows. A slice of one
-tile runs the stock forward, untouched.
+tile still runs through the tiled function, as one tile (its output and gradients the stock ones, untouched): when the
+MLP's weight gradients arrive in backward then depends on the switch alone, never on the row's length, so replicas
+whose switches agree (`by_need`) deliver their gradients in one order (ZeRO-1/2 fill their buckets in that order).
 
 When: as set (`VLMCP_MLP_TILE_TOKENS=N` or `on`, at any P), or under CP when the row needs it (`switches.py`,
 chosen by `by_need.py`); with CP off and nothing set every MLP runs stock. Not while torch.compile traces (the compiled
@@ -58,6 +60,8 @@ def tile_tokens(num_tokens: int, hidden_size: int, intermediate_width: int, conf
     """Tokens (rows) per tile over `num_tokens` (module docstring); `intermediate_width`: the numbers one token holds
     in the intermediates; `configured`: `SETTINGS.mlp_tile_tokens` (0: one tile of everything); `longest`: with the
     automatic rule, no tile holds more tokens than this (at least `MIN_TILE`)."""
+    if num_tokens == 0:  # an empty slice: one empty tile
+        return 1
     if configured != AUTO:
         return configured or num_tokens
     proportional = math.ceil(num_tokens / max(1, intermediate_width // (hidden_size * INTERMEDIATE_PER_HIDDEN)))
@@ -76,7 +80,8 @@ def mlp_tile_tokens(num_tokens: int, hidden_size: int, intermediate_width: int,
 
 
 def tile_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
-    return [(a, min(a + size, num_tokens)) for a in range(0, num_tokens, size)]
+    """The tiles [a, b) of `size` tokens over `num_tokens`: at least one (an empty slice makes one empty tile)."""
+    return [(a, min(a + size, num_tokens)) for a in range(0, max(num_tokens, 1), size)]
 
 
 TILES = TileCounts()
@@ -104,19 +109,20 @@ def tiling_applies() -> bool:
     (`by_need.py`), not while torch.compile traces."""
     from .switches import mlp_tiles_on
 
-    return mlp_tiles_on() and not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and mlp_tiles_on()
 
 
 def run_in_tiles(fn: Callable, tiled: Sequence[torch.Tensor], module: torch.nn.Module, hidden_size: int,
                  intermediate_width: int) -> torch.Tensor | None:
-    """`fn(*tiled)` over tiles of the tokens (dim 0 of every `tiled` tensor), fn reading `module`'s parameters; None
-    when the tokens make one tile (the caller then runs its stock forward)."""
+    """`fn(*tiled)` over tiles of the tokens (dim 0 of every `tiled` tensor), fn reading `module`'s parameters; one
+    tile when the tokens make one (module docstring: the switch alone decides the path, not the row). None when a
+    sharding wrapper gathers the module piece by piece (the caller then runs its stock forward)."""
     from .switches import size_setting  # "on" sizes like "auto"
 
+    if gathers_per_submodule_call(module):
+        return None
     tokens = tiled[0].shape[0]
     size = mlp_tile_tokens(tokens, hidden_size, intermediate_width, size_setting(SETTINGS.mlp_tile_tokens))
-    if size >= tokens or gathers_per_submodule_call(module):
-        return None
     params = [p for p in module.parameters() if p.requires_grad]
     return tokenwise_tiles(fn, tile_bounds(tokens, size), TILES, tiled, params)
 
@@ -191,7 +197,7 @@ def norms_recompute_applies() -> bool:
     need under CP (`by_need.py`), a graph being recorded, not while torch.compile traces."""
     from .switches import norms_recompute_on
 
-    return norms_recompute_on() and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and norms_recompute_on()
 
 
 def recomputed_norm_forward(wrapped, instance, args, kwargs):

@@ -77,7 +77,8 @@ def enter_cp_forward(model, call: dict, always: bool = False) -> CPContext | Non
     agree(plan, call, model, host_pixels.whole_fingerprints(records))
     ctx = lay_out(call, plan)
     ctx.groups  # the ring's process groups, created on every rank now (collective), before any compute
-    choose_switches(model, call, ctx, plan.device)  # the memory switches this row needs, agreed by the group
+    # the memory switches this row needs, agreed by the group and the replicas, frozen into this forward's context
+    ctx.choice = choose_switches(model, call, ctx, plan.device)
     cut_to_slice(model, call, ctx)
     cp_forward_started(model, ctx.cp)
     STATS.record(ctx)
@@ -121,7 +122,7 @@ def token_log_probs_of_slice(instance, ctx: CPContext, hidden: torch.Tensor, shi
     local = ctx.shard(shift_labels.to(hidden.device), dim=1, value=IGNORE_INDEX).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     log_probs, entropy = token_log_probs_and_entropy(flat, instance.lm_head, local, temperature,
-                                                     loss_chunk_tokens())
+                                                     loss_chunk_tokens(ctx.choice))
     return TokenLogProbsOutput(**{name: ctx.to_caller(ctx.gather(x[None], dim=1))
                                   for name, x in (("log_probs", log_probs), ("entropy", entropy))})
 
@@ -151,7 +152,7 @@ def cp_top_level_forward(wrapped, instance, args, kwargs):
     fields = {}
     if shift_labels is not None:
         fields["loss"] = sharded_causal_lm_loss(
-            hidden, instance.lm_head, ctx, shift_labels, num_items_in_batch, loss_chunk_tokens()
+            hidden, instance.lm_head, ctx, shift_labels, num_items_in_batch, loss_chunk_tokens(ctx.choice)
         )
     if shift_labels is None or full_logits_requested() or not return_dict:  # a tuple keeps stock's positions
         fields["logits"] = ctx.to_caller(ctx.gather(instance.lm_head(hidden), dim=1))
