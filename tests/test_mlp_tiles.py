@@ -105,6 +105,47 @@ def test_an_empty_slice_makes_one_empty_tile():
     assert all(p.grad is not None and not p.grad.any() for p in mlp.parameters())
 
 
+def test_a_tiled_function_is_recomputed_under_its_own_forwards_switches(reapply):
+    """A tiled function whose code reads a switch (the tiled vision tower reads the MLP switch in its blocks' MLPs) is
+    recomputed in backward under the choice of the forward that ran it, not the last forward's: here two forwards
+    under other choices, then one backward. The control (no forward's choice around the first run) reads the last
+    choice in backward."""
+    import vlmcp_patch
+    from vlmcp_patch import switches
+
+    def choice(mlp: bool):
+        return switches.Choice(switches.Switches(mlp=mlp), (), "", 0.0, None, 1, 0, 2, 2, 1, 1)
+
+    seen = []
+    layer = torch.nn.Linear(4, 4)
+
+    def fn(x):
+        seen.append(switches.mlp_tiles_on())
+        return layer(x)
+
+    x = torch.randn(6, 4, requires_grad=True)
+    vlmcp_patch.enable(cp_size=2)  # the switches alone: no collective runs
+    try:
+        outs = []
+        for mlp in (True, False):
+            with switches.under_choice(choice(mlp)):
+                outs.append(tokenwise_tiles(fn, tile_bounds(6, 3), TILES, [x], list(layer.parameters())))
+        switches.STATE.choice = choice(False)  # what the last forward chose
+        seen.clear()
+        sum(outs).sum().backward()
+        recomputed = list(seen)
+        seen.clear()
+        out = tokenwise_tiles(fn, tile_bounds(6, 3), TILES, [x], list(layer.parameters()))  # the control
+        switches.STATE.choice = choice(True)
+        out.sum().backward()
+    finally:
+        switches.STATE.choice = None
+        vlmcp_patch.enable(cp_size=1)
+    # backward runs the second forward's tiles first, then the first one's: each under its own choice
+    assert recomputed == [False, False, True, True], recomputed
+    assert seen == [False, False, True, True], seen  # the control: forward outside any choice, backward the last one
+
+
 def test_tiles_sum_each_parameter_gradient_before_delivering_it():
     """The function alone: outputs and input gradients per tile, parameter gradients summed over the tiles and
     accumulated once — an accumulation per tile (DeepSpeed TiledMLP's problem) would fire the hook five times."""
