@@ -95,6 +95,19 @@ def test_pixels_a_rank_cannot_use_raise_on_every_rank_before_compute(once):
         assert rank["then"] is None  # the group runs on
 
 
+def test_a_call_that_left_the_record_behind_takes_its_batchs_or_raises_on_every_rank(once):
+    """A call built from chosen keys of a cut batch (TRL < 1.16's DPOTrainer): alone, refused by name on every rank;
+    inside `CARRIED_BATCH` it runs as with its record, whether it holds the share, a copy of it or the whole pixel
+    values, and another rank's rows of the same shape are refused."""
+    ranks = [r["carried"] for r in once(run_distributed, run_default_cases, 2)]
+    for rank in ranks:
+        assert "hold 32 of the 64 rows image_grid_thw asks for, as many as this rank's share" in rank["alone"], rank
+        assert "'vlmcp_pixel_values_share'" in rank["alone"] and "left it behind" in rank["other_rows"], rank
+        for name in ("itself", "copy", "whole"):
+            assert abs(rank[name] - rank["with_record"]) <= TOL * abs(rank["with_record"]), (name, rank)
+    assert len({rank["with_record"] for rank in ranks}) == 1
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("cp_size, layout, tiles, family", [
     (4, FOUR_IMAGES, "auto", "qwen3_vl"),

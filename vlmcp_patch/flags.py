@@ -44,6 +44,10 @@ ENCODING_VIDEO = contextvars.ContextVar("vlmcp_encoding_video", default=False)
 # Modalities ("image", "video") of the running forward that carry a placeholder, not real inputs. Set by:
 # `integrations.vision_placeholder.matched_vision_forward`. Read by: the same module's mask and position patches.
 VISION_PLACEHOLDERS = contextvars.ContextVar("vlmcp_vision_placeholders", default=frozenset())
+# The batch (its pixel values maybe cut on the host) a trainer builds its model calls from, passing on chosen keys
+# only. Set by: `integrations.trl.carrying_pixel_records` (TRL < 1.16's DPOTrainer). Read by:
+# `forward.host_pixels.take_records`.
+CARRIED_BATCH = contextvars.ContextVar("vlmcp_carried_batch", default=None)
 
 
 @contextlib.contextmanager

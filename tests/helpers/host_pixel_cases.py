@@ -176,7 +176,32 @@ def run_refusals(rank: int, world_size: int) -> dict:
     return results
 
 
+def run_carried(rank: int, world_size: int) -> dict:
+    """A call built from chosen keys of a cut batch, its records left behind (as TRL < 1.16's DPOTrainer builds its
+    calls): the error it meets alone, and inside `CARRIED_BATCH` (the batch it came from) the loss with the cut
+    share itself, with a copy of it (a device move), with the whole pixel values, and the error with another rank's
+    rows of the same shape; the loss of the batch with its records, for comparison."""
+    import vlmcp_patch
+    from vlmcp_patch.flags import CARRIED_BATCH, scoped
+    from vlmcp_patch.forward.arguments import SHARE_RECORDS
+    from vlmcp_patch.forward.host_pixels import keep_pixel_share
+
+    vlmcp_patch.enable(cp_size=world_size)
+    model = _model()
+    batch = vlmcp_patch.batch_to_device(make_batch(FOUR_IMAGES, seed=7), torch.device("cpu"))
+    picked = {k: v for k, v in batch.items() if k not in SHARE_RECORDS.values()}
+    other = keep_pixel_share(make_batch(FOUR_IMAGES, seed=7), world_size, (rank + 1) % world_size)["pixel_values"]
+    results = {"alone": _error_of(lambda: model(**picked)), "with_record": float(model(**batch).loss)}
+    with scoped(CARRIED_BATCH, batch):
+        for name, pixels in (("itself", picked["pixel_values"]), ("copy", picked["pixel_values"].clone()),
+                             ("whole", make_batch(FOUR_IMAGES, seed=7)["pixel_values"])):
+            results[name] = float(model(**{**picked, "pixel_values": pixels}).loss)
+        results["other_rows"] = _error_of(lambda: model(**{**picked, "pixel_values": other}))
+    return results
+
+
 def run_default_cases(rank: int, world_size: int) -> dict:
-    """The default tier's one launch: the raw loop with the cut and without it (the control), and the refusals."""
+    """The default tier's one launch: the raw loop with the cut and without it (the control), the refusals, and a
+    call that left the records of the cut behind."""
     return {"cut": run_raw_loop(rank, world_size), "whole": run_raw_loop(rank, world_size, cut=False),
-            "refusals": run_refusals(rank, world_size)}
+            "refusals": run_refusals(rank, world_size), "carried": run_carried(rank, world_size)}

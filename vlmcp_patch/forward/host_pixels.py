@@ -9,12 +9,15 @@ adds beside each a small float64 record (`SHARE_RECORDS`): the CP size and rank 
 the rows of the whole, and the agreement's fingerprint of the whole tensor (`agreement.tensor_fingerprint`, taken
 before the cut).
 
-The forward (`top_level.enter_cp_forward`) takes the records off the call (`take_records`), plans on stand-ins of
-the whole tensors' shape (`planning_view`: the rules check the rows against the grids as for a whole batch), refuses
-on every rank a share that is not the one its plan encodes (`held_problem`: another P or rank, rows of another
-share, a share by patches), and compares the whole tensors' fingerprints over the group in place of the compact
-ones' (`whole_fingerprints`): a rank that got other pixels still raises on every rank before compute. The vision
-path then reads its rows from the compact tensor (`vision.share_rows_in`).
+The forward (`top_level.enter_cp_forward`) takes the records off the call (`take_records`; a call built from chosen
+keys of the batch, as TRL < 1.16's DPOTrainer builds its calls, takes them from the batch (`CARRIED_BATCH`) when its
+pixel values are that batch's cut share), plans on stand-ins of the whole tensors' shape (`planning_view`: the rules
+check the rows against the grids as for a whole batch), refuses on every rank a share that is not the one its plan
+encodes (`held_problem`: another P or rank, rows of another share, a share by patches), and compares the whole
+tensors' fingerprints over the group in place of the compact ones' (`whole_fingerprints`): a rank that got other
+pixels still raises on every rank before compute. The vision path then reads its rows from the compact tensor
+(`vision.share_rows_in`). Pixel values that hold this rank's share with no record are refused on every rank, by name
+(`dropped_record_problem`): a tensor that is neither the whole batch's nor a recorded share never computes.
 
 Only what the forward can serve is cut: a share by items. Where the items do not balance (`VisionShare.balanced`)
 the forward may share them by patches, whose rows depend on the tower's merge size and heads, so those rows keep the
@@ -32,6 +35,7 @@ import torch.distributed as dist
 
 from ..distributed import cp_running
 from ..errors import CPInputError, Problem
+from ..flags import CARRIED_BATCH
 from ..layout import BY_ITEMS, VisionShare
 from ..patching import cp_size
 from ..settings import SETTINGS
@@ -74,10 +78,31 @@ def keep_pixel_share(batch: Mapping, size: int, rank: int) -> Mapping:
     return merged if isinstance(batch, dict) else type(batch)(merged)
 
 
+def records_of(batch) -> dict[str, torch.Tensor]:
+    """The share records a (collated, cut) `batch` carries, per pixel key."""
+    if not isinstance(batch, Mapping):
+        return {}
+    return {key: batch[record] for key, record in SHARE_RECORDS.items() if torch.is_tensor(batch.get(record))}
+
+
+def _is_the_share(pixels, share: torch.Tensor, record: torch.Tensor) -> bool:
+    """Whether `pixels` are the cut `share` (the tensor itself, or a copy on another device) and not the whole."""
+    if not (torch.is_tensor(pixels) and torch.is_tensor(share) and pixels.shape == share.shape
+            and pixels.dtype == share.dtype):
+        return False
+    return share.shape[0] != int(record[WHOLE]) and (pixels is share or torch.equal(pixels, share.to(pixels.device)))
+
+
 def take_records(call: dict) -> dict[str, torch.Tensor]:
-    """The share records of a forward's call, per pixel key, taken off the call (empty: it holds whole pixels)."""
-    return {key: call.pop(record).detach().cpu() for key, record in SHARE_RECORDS.items()
-            if call.get(record) is not None}
+    """The share records of a forward's call, per pixel key, taken off the call (empty: it holds whole pixels).
+    Pixel values without their record take that of the batch the call was built from (`CARRIED_BATCH`) when they
+    are its cut share; the plan then checks their rows, and the agreement the whole tensors' fingerprints."""
+    records = {key: call.pop(record) for key, record in SHARE_RECORDS.items() if call.get(record) is not None}
+    batch = CARRIED_BATCH.get()
+    for key, record in records_of(batch).items():
+        if key not in records and _is_the_share(call.get(key), batch.get(key), record):
+            records[key] = record
+    return {key: record.detach().cpu() for key, record in records.items()}
 
 
 def planning_view(call: dict, records: dict[str, torch.Tensor]) -> dict:
@@ -115,11 +140,30 @@ def held_problem(plan: ForwardPlan, call: dict, records: dict[str, torch.Tensor]
     return None
 
 
+def dropped_record_problem(plan: ForwardPlan, call: dict, records: dict[str, torch.Tensor]) -> Problem | None:
+    """Pixel values with no record that hold this rank's share by items, not the whole: the cut's record was left
+    behind between the data loader and the model (None: no such pixel values)."""
+    for _, key, grid_key, _ in VISION:
+        pixels, grid = call.get(key), call.get(grid_key)
+        if key in records or not (torch.is_tensor(pixels) and torch.is_tensor(grid)) or grid.ndim != 2:
+            continue
+        whole, rows = int(grid.prod(-1).sum()), host_rows(grid, plan.cp.size, plan.cp.rank)
+        if rows is not None and pixels.shape[0] == rows.stop - rows.start != whole:
+            return Problem(CPInputError, f"{key} hold {pixels.shape[0]} of the {whole} rows {grid_key} asks for, as "
+                           "many as this rank's share (vlmcp_patch cuts them so on the host under CP), without the "
+                           f"record of the cut that the batch carried beside them ({SHARE_RECORDS[key]!r}): the code "
+                           "that built this call from the batch left it behind. Pass that key on with the pixel "
+                           "values, or switch the cut off (VLMCP_HOST_PIXEL_SHARES=0)")
+    return None
+
+
 def checked(plan: ForwardPlan, call: dict, records: dict[str, torch.Tensor]) -> ForwardPlan:
-    """`plan` with `held_problem` as its refusal when it has none yet: raised on every rank by the agreement."""
-    if not records or plan.refusal is not None:
-        return plan
-    problem = held_problem(plan, call, records)
+    """`plan` with the problem of the pixel values this rank holds as its refusal, raised on every rank by the
+    agreement: a share whose record was dropped (which explains the plan's own refusal of their rows), else
+    `held_problem` when the plan has no refusal yet."""
+    problem = dropped_record_problem(plan, call, records)
+    if problem is None and records and plan.refusal is None:
+        problem = held_problem(plan, call, records)
     return plan if problem is None else dataclasses.replace(plan, refusal=problem)
 
 

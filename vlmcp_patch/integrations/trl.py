@@ -14,6 +14,10 @@ placement and mRoPE on the full sequence, the decoder on this rank's slice); TRL
 rank's slice against the labels shifted on the full sequence (its `shift_labels` path); the per-token
 outputs are gathered over the group, the backward keeping this rank's slice. Every field and the loss are
 the P=1 ones, on every rank. At P=1 a packed row takes the same path (per-sample mRoPE and boundaries).
+
+TRL before 1.16's DPOTrainer calls the model with chosen keys of its batch, leaving the record of the host cut of
+the pixel values behind (`forward/host_pixels.py`): its forwards take the record from the batch
+(`carrying_pixel_records`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import types
 import torch
 
 from ..distributed import cp_running
-from ..flags import BYPASS, FULL_LOGITS, scoped
+from ..flags import BYPASS, CARRIED_BATCH, FULL_LOGITS, scoped
 from ..forward.arguments import call_arguments
 from ..forward.top_level import enter_cp_forward
 from ..loss import IGNORE_INDEX
@@ -111,6 +115,14 @@ def full_logits_for_metrics(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
 
+def carrying_pixel_records(wrapped, instance, args, kwargs):
+    """TRL < 1.16's DPOTrainer builds its model calls (the policy's, the reference's) from chosen keys of `inputs`,
+    leaving behind the record of the host cut of the pixel values (`forward/host_pixels.py`): inside, a forward
+    whose pixel values are the cut share of `inputs` takes their record. (1.16 passes every key on.)"""
+    with scoped(CARRIED_BATCH, call_arguments(wrapped, args, kwargs).get("inputs")):
+        return wrapped(*args, **kwargs)
+
+
 TRAINERS = ("sft", "grpo", "rloo", "dpo", "kto")
 
 
@@ -136,5 +148,16 @@ def patches() -> list[Patch]:
             expects=("model", "inputs"),
             requires="trl",
             since="trl<1.15",
+        ),
+        # its `compute_ref_log_probs` picks keys too, but serves only precomputed references, which 0.29 computes for
+        # text-only pairs (with images stock fails): not wrapped
+        Patch(
+            target="trl.trainer.dpo_trainer.DPOTrainer.compute_loss",
+            wrapper=carrying_pixel_records,
+            reason="TRL < 1.16, under CP: DPOTrainer calls the model with chosen keys of its batch, leaving the record "
+            "of the host cut of the pixel values behind; its forwards take the batch's record",
+            expects=("inputs",),
+            requires="trl",
+            since="trl<1.16",
         ),
     ]
