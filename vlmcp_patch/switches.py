@@ -148,10 +148,15 @@ def in_effect(name: str) -> bool:
         return forced
     if cp_size() == 1:
         return False
-    choice = _FORWARD_CHOICE.get()
-    if choice is _NO_FORWARD:
-        choice = STATE.choice
+    choice = choice_in_effect()
     return choice is not None and getattr(choice.switches, name)
+
+
+def choice_in_effect() -> Choice | None:
+    """The choice of the CP forward running or being recomputed now (module docstring); outside both, the last CP
+    forward's."""
+    choice = _FORWARD_CHOICE.get()
+    return STATE.choice if choice is _NO_FORWARD else choice
 
 
 def mlp_tiles_on() -> bool:
@@ -229,10 +234,11 @@ def choose_switches(model, call: dict, ctx, device):
 
 def features_on_host() -> bool:
     """Whether a CP forward parks its vision features on the host (`offload.park_features`): as set
-    (`VLMCP_OFFLOAD_FEATURES`), else by need — with the checkpoint offload on, where the last CP forward's choice
-    needed it."""
+    (`VLMCP_OFFLOAD_FEATURES`), else by need — with the checkpoint offload on, where the choice in effect (the
+    forward's, `choice_in_effect`) needed it."""
     setting = SETTINGS.offload_features
     if setting != AUTO:
         return bool(setting)
-    return (SETTINGS.offload_checkpoints and cp_size() > 1 and STATE.choice is not None
-            and getattr(STATE.choice.switches, "features", False))
+    choice = choice_in_effect()
+    return (SETTINGS.offload_checkpoints and cp_size() > 1 and choice is not None
+            and getattr(choice.switches, "features", False))
