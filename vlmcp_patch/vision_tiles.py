@@ -64,13 +64,16 @@ tower's draw (the released towers have no dropout).
 
 When: as set (`VLMCP_VISION_TILE_PATCHES=N` or `on`, at any P), or under CP when the row needs it (`switches.py`,
 chosen by `by_need.py`); not while torch.compile traces. With CP off (P=1, or inside `disabled()`) the switch on (at
-P=1: set) tiles every call of the tower that asks for its features alone (`tiles_call_without_cp`; stock
+P=1: set) tiles every call of the tower that asks for its features alone (`tiles_whole_call`; stock
 `get_image_features` and `get_video_features` do): the tower's patched forward (`forward/vision.tower_forward`) runs
 the call's own items through this function and returns the stock output class with the features whole —
-`last_hidden_state`, which nothing of stock's reads, None. Unset (`auto`) or `0`, CP off runs the stock tower, bit
+`last_hidden_state` None (stock's code never reads it; the model output's `image_outputs` / `video_outputs` hand
+it on, None there too, and no longer keep the last block's output alive). Unset (`auto`) or `0`, CP off runs the stock tower, bit
 for bit. A call that asks for the blocks' hidden states or attentions, a tuple, or passes per-patch tables of the
-whole call runs whole. ZeRO-3 makes the tower a leaf under CP only (`gather_whole_towers_under_zero3`, from the
-DeepSpeed integration): at P=1 it gathers the tower module by module, which runs untiled (above).
+whole call runs whole. Under CP the same goes for the calls outside the by-items share: a rank encoding every item
+(`VLMCP_VISION_DP=0`), a replica's placeholder pass (a share by patches never tiles). ZeRO-3 makes the tower a leaf
+under CP only (`gather_whole_towers_under_zero3`, from the DeepSpeed integration): at P=1 it gathers the tower
+module by module, which runs untiled (above).
 """
 
 from __future__ import annotations
@@ -194,16 +197,18 @@ def tiling_applies(tower: torch.nn.Module) -> bool:
 
 
 # What a call of the tower may ask beside its features (merged and deepstack). The tiles return the features only,
-# and each tile computes its own per-patch tables, so a call outside CP's vision path that asks for any of these
-# runs whole: the hidden states or attentions of the blocks, or a tuple (whose positions hold the last hidden state).
+# and each tile computes its own per-patch tables, so a call that asks for any of these runs whole: the hidden states
+# or attentions of the blocks, or a tuple (whose positions hold the last hidden state).
 WHOLE_CALL_FLAGS = ("output_hidden_states", "output_attentions")
 
 
-def tiles_call_without_cp(tower: torch.nn.Module, kwargs: dict, tables: Sequence[str]) -> bool:
-    """Whether a call of the tower outside a CP forward's vision path (CP off: P=1, or `disabled()`) runs in tiles:
-    tiling applies (`tiling_applies`: at P=1 only where `VLMCP_VISION_TILE_PATCHES` is set, `N` or `on`), and the
-    call asks for its features alone, in an output object: no hidden states or attentions, no tuple, no per-patch
-    tables of the whole call (`tables`: their keyword names; each tile computes its own from its grid)."""
+def tiles_whole_call(tower: torch.nn.Module, kwargs: dict, tables: Sequence[str]) -> bool:
+    """Whether a call of the tower that did not ask for tiles itself (not `encode_items`' request) runs its items in
+    tiles: with CP off (P=1, `disabled()`) every stock call, under CP a rank encoding every item
+    (`VLMCP_VISION_DP=0`) or a replica's placeholder pass. Tiling applies (`tiling_applies`: at P=1 only where
+    `VLMCP_VISION_TILE_PATCHES` is set, `N` or `on`), and the call asks for its features alone, in an output object:
+    no hidden states or attentions, no tuple, none of `tables` (keyword names: per-patch tables of the whole call,
+    which each tile computes for itself from its grid, or a patch slice's CP context)."""
     config = tower.config
     if any(kwargs.get(flag, getattr(config, flag, False)) for flag in WHOLE_CALL_FLAGS):
         return False
