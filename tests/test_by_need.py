@@ -316,6 +316,17 @@ def test_the_control_agreed_per_group_only_runs_other_switches_in_another_order(
 
 
 @pytest.mark.integration
+def test_a_replica_whose_row_fits_nowhere_stops_every_replica(replicas_and_forwards):
+    """At a budget the long row fits nowhere, its replica's ranks raise the refusal (the longest row that fits) and
+    the short row's replica, which fits, raises too, naming the other replica, before compute: no replica is left
+    waiting in a gradient reduction the other never reaches."""
+    refused = [rank["refused"] for rank in replicas_and_forwards]
+    assert all(text is not None for text in refused), refused
+    assert all("another data-parallel replica's row does not fit" in text for text in refused[:2]), refused[:2]
+    assert all("fits as set" in text for text in refused[2:]), refused[2:]
+
+
+@pytest.mark.integration
 def test_two_forwards_before_one_backward_each_recompute_with_their_own_choice(replicas_and_forwards, references):
     """The long row's forward (MLP tiles by need), then the short row's (none), then one backward of both losses'
     sum under non-reentrant gradient checkpointing: each checkpointed layer is recomputed with its own forward's

@@ -315,9 +315,10 @@ def another_replica_refused() -> str:
 def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | None:
     """The switches of this CP forward (module docstring), returned for the forward to freeze into its context
     (`CPContext.choice`); logged by rank 0 of the group at the first one and when they change. Raises
-    `UnsupportedSetupError` on every rank of every replica when a replica's row cannot fit. Called by every rank of
-    the world at the same point of each CP forward (one all-reduce over the group, one over the world with replicas,
-    on `device`: the batch's, where the group's collectives run). None at P=1."""
+    `UnsupportedSetupError` on every rank of every replica when a replica's row cannot fit (of its group only in a
+    forward without a graph). Called by every rank of the world at the same point of each CP forward (one all-reduce
+    over the group; one over the world with replicas and a graph; on `device`: the batch's, where the group's
+    collectives run). None at P=1."""
     from .distributed import data_parallel_world_size
     from .planning import dims_from_config
 
@@ -339,7 +340,10 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
         own, peak, why = choose(dims, row, base, ctx.cp.size, split.ulysses, room)
     except UnsupportedSetupError as error:  # said to the other replicas first, then raised
         own, peak, why, refusal = Switches(), math.inf, "", error
-    switches, refused_somewhere = agreed_over_replicas(own, refusal is not None, device)
+    # without a graph no gradient arrives: no agreement (nor a collective, which replicas with uneven evaluation
+    # batches would not all reach)
+    switches, refused_somewhere = agreed_over_replicas(own, refusal is not None, device) \
+        if torch.is_grad_enabled() else (own, False)
     if refusal is not None:
         raise refusal
     if refused_somewhere:

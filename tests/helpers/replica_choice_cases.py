@@ -26,16 +26,18 @@ def model_and_rows():
     return model, {"short": packed_text_batch([SHORT], seed=3), "long": packed_text_batch([LONG], seed=4)}
 
 
-def budget_gib(model, rows: dict, size: int) -> float:
-    """A budget at which the long row needs the MLP tiles (it fits with them, not with the norms alone nor untiled)
-    and the short one fits untiled, by the plan's own prices (`by_need_cases.prices`)."""
+def budgets_gib(model, rows: dict, size: int) -> tuple[float, float]:
+    """Two budgets, by the plan's own prices (`by_need_cases.prices`): one at which the long row needs the MLP tiles
+    (it fits with them, not with the norms alone nor untiled) and the short one fits untiled; one at which the long
+    row fits nowhere and the short one still fits untiled."""
     from tests.helpers.by_need_cases import budget_for, prices
 
     long, short = prices(model, rows["long"], size), prices(model, rows["short"], size)
     room = (long["sets"][("mlp",)] + long["sets"][("norms",)]) / 2
     assert long["sets"][("mlp",)] < room < min(long["sets"][()], long["sets"][("norms",)]), long["sets"]
-    assert short["sets"][()] < room, short["sets"]
-    return budget_for(room, long["pending"])
+    tight = 0.9 * min(long["sets"].values())
+    assert short["sets"][()] < tight, short["sets"]
+    return budget_for(room, long["pending"]), budget_for(tight, long["pending"])
 
 
 def arrival_order(model) -> list[str]:
@@ -99,6 +101,7 @@ def replicas_and_forwards(rank: int, world_size: int) -> dict:
     - per_group: the same with the switches agreed within each CP group only (the control: the old behaviour);
     - explicit: the same rows with `VLMCP_MLP_TILE_TOKENS=1024` set and no budget (one tile of the short row, two of
       the long one);
+    - refused: the same rows at a budget the long row fits nowhere (the message each rank raised, or None);
     - two_forwards: every replica runs the long row's forward, then the short row's, then one backward of both;
     - two_forwards_global: the same with the switches read from the last forward (the control: the old behaviour).
     """
@@ -107,7 +110,7 @@ def replicas_and_forwards(rank: int, world_size: int) -> dict:
 
     size = 2
     model, rows = model_and_rows()
-    budget = budget_gib(model, rows, size)
+    budget, too_tight = budgets_gib(model, rows, size)
     order = arrival_order(model)
     mine = rows["short" if rank // size == 0 else "long"]
     world = dist.new_group(list(range(world_size)))
@@ -125,7 +128,13 @@ def replicas_and_forwards(rank: int, world_size: int) -> dict:
         vlmcp_patch.enable(device_memory_gib=0, mlp_tile_tokens=1024)
         result = _step(model, [mine], order)
         out["explicit"] = {**result, "grads": _summed(_grads(model), world)}
-        vlmcp_patch.enable(device_memory_gib=budget, mlp_tile_tokens="auto")
+        vlmcp_patch.enable(device_memory_gib=too_tight, mlp_tile_tokens="auto")
+        try:
+            _step(model, [mine], order)
+            out["refused"] = None
+        except vlmcp_patch.UnsupportedSetupError as error:
+            out["refused"] = str(error)
+        vlmcp_patch.enable(device_memory_gib=budget)
 
         cp = vlmcp_patch.get_cp_group(size)
         result = _step(model, [rows["long"], rows["short"]], order)
