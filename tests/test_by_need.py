@@ -2,7 +2,8 @@
 
 Under CP each forward prices its row with the plan's model and turns on the cheapest set of switches that fits the
 room the group agrees on; explicit settings win; a row that fits nowhere is refused on every rank with what would fit
-it. At P=1 nothing is chosen: the default stays stock bit for bit, and explicit tiles act (exactly)."""
+it. The replicas run one set (their gradients then arrive in one order), and each forward's recomputation runs under
+its own choice. At P=1 nothing is chosen: the default stays stock bit for bit, and explicit tiles act (exactly)."""
 
 from __future__ import annotations
 

@@ -139,8 +139,8 @@ def replayed_choice(captured) -> contextlib.AbstractContextManager:
 def in_effect(name: str) -> bool:
     """Whether switch `name` acts now: as set, at any P; chosen by need under CP (the choice of the forward running or
     being recomputed, module docstring); off at P=1 unless set. An explicit switch acting at P=1 logs one line, once.
-    Outside any CP forward and its recomputations — a layer another mechanism than transformers' checkpoints,
-    recomputed in backward — the last CP forward's choice."""
+    Outside any CP forward and its recomputations (a layer checkpointed by other means than transformers', recomputed
+    in backward; a forward inside `disabled()`): the last CP forward's choice."""
     forced = explicit(name)
     if forced is not None:
         if forced and cp_size() == 1 and name != "loss_chunk":
