@@ -204,18 +204,22 @@ def checkpoints_carry_the_choice(model) -> None:
     enabled anew) is wrapped at the next CP forward, before it runs. Called at every CP forward (`by_need`)."""
     for module in model.modules():
         checkpoint = getattr(module, "_gradient_checkpointing_func", None)
-        if callable(checkpoint) and not getattr(checkpoint, "vlmcp_carries_choice", False):
-            module._gradient_checkpointing_func = _carrying_the_choice(checkpoint)
+        if callable(checkpoint) and not isinstance(checkpoint, CheckpointUnderTheChoice):
+            module._gradient_checkpointing_func = CheckpointUnderTheChoice(checkpoint)
 
 
-def _carrying_the_choice(checkpoint):
-    def checkpoint_under_the_choice(function, *args, **kwargs):
-        return checkpoint(functools.partial(_run_under, forward_choice(), function), *args, **kwargs)
+class CheckpointUnderTheChoice:
+    """A layer's checkpoint function that runs the checkpointed function, and its recomputation, under the choice in
+    effect when the layer was called (`checkpoints_carry_the_choice`). A class, not a closure: a model holding it
+    still pickles as its checkpoint function does."""
 
-    checkpoint_under_the_choice.vlmcp_carries_choice = True
-    # what `offload._saves_on_cpu` reads of a checkpoint function (a partial's `func`): the wrapped one's
-    checkpoint_under_the_choice.func = getattr(checkpoint, "func", checkpoint)
-    return checkpoint_under_the_choice
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+        # what `offload._saves_on_cpu` reads of a checkpoint function (a partial's `func`): the wrapped one's
+        self.func = getattr(checkpoint, "func", checkpoint)
+
+    def __call__(self, function, *args, **kwargs):
+        return self.checkpoint(functools.partial(_run_under, forward_choice(), function), *args, **kwargs)
 
 
 def _run_under(captured, function, *args, **kwargs):
