@@ -323,7 +323,8 @@ def test_a_replica_whose_row_fits_nowhere_stops_every_replica(replicas_and_forwa
     waiting in a gradient reduction the other never reaches."""
     refused = [rank["refused"] for rank in replicas_and_forwards]
     assert all(text is not None for text in refused), refused
-    assert all("another data-parallel replica's row does not fit" in text for text in refused[:2]), refused[:2]
+    assert all("the row of data-parallel replica 1 (ranks 2..3) does not fit" in text for text in refused[:2]), \
+        refused[:2]
     assert all("fits as set" in text for text in refused[2:]), refused[2:]
 
 

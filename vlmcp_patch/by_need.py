@@ -286,30 +286,33 @@ def refusal(dims, row, base, size: int, ulysses: int, room: float, best: tuple[S
 ORDERED = ("norms", "vision", "mlp")
 
 
-def agreed_over_replicas(switches: Switches, refused: bool, device: torch.device) -> tuple[Switches, bool]:
-    """(`switches` with every `ORDERED` switch any replica runs, whether any replica's row was refused) — module
-    docstring, 4. One all-reduce (MAX) of four flags over the world (`distributed.world_group`: every rank, in a group
-    of its own so it never interleaves with the wrappers' gradient reductions), through the package's collective
-    wrapper, on `device`. Issued by every rank, refused or not, at the same point; with one replica the CP group has
-    agreed already: nothing to issue."""
+def agreed_over_replicas(switches: Switches, refused: bool, device: torch.device) -> tuple[Switches, int | None]:
+    """(`switches` with every `ORDERED` switch any replica runs, the last replica whose row was refused or None) —
+    module docstring, 4. One all-reduce (MAX) of four numbers over the world (`distributed.world_group`: every rank,
+    in a group of its own so it never interleaves with the wrappers' gradient reductions), through the package's
+    collective wrapper, on `device`. Issued by every rank, refused or not, at the same point; with one replica the CP
+    group has agreed already: nothing to issue."""
     from .collectives.communication import communicate
-    from .distributed import data_parallel_world_size, world_group
+    from .distributed import data_parallel_rank, data_parallel_world_size, world_group
 
     if data_parallel_world_size() == 1:
-        return switches, refused
-    flags = torch.tensor([*(float(getattr(switches, n)) for n in ORDERED), float(refused)], dtype=torch.float64,
+        return switches, 0 if refused else None
+    replica = data_parallel_rank() + 1 if refused else 0  # 1 + the replica's index: the MAX names the last refused
+    flags = torch.tensor([*(float(getattr(switches, n)) for n in ORDERED), float(replica)], dtype=torch.float64,
                          device=device)
     group = world_group()
     communicate("all-reduce", group, flags.numel(),
                 lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group))
     union = replace(switches, **{n: bool(flags[i] > 0) for i, n in enumerate(ORDERED)})
-    return union, bool(flags[-1] > 0)
+    last = int(flags[-1])
+    return union, last - 1 if last else None
 
 
-def another_replica_refused() -> str:
-    return ("another data-parallel replica's row does not fit the device (its ranks raise with the longest row that "
-            "fits and what would fit it): every replica stops before compute, as its gradients would be reduced with "
-            "this replica's")
+def another_replica_refused(replica: int, size: int) -> str:
+    first = replica * size
+    return (f"the row of data-parallel replica {replica} (ranks {first}..{first + size - 1}) does not fit the device "
+            "(its ranks raise with the longest row that fits and what would fit it): every replica stops before "
+            "compute, as its gradients would be reduced with this replica's")
 
 
 def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | None:
@@ -342,12 +345,12 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
         own, peak, why, refusal = Switches(), math.inf, "", error
     # without a graph no gradient arrives: no agreement (nor a collective, which replicas with uneven evaluation
     # batches would not all reach)
-    switches, refused_somewhere = agreed_over_replicas(own, refusal is not None, device) \
-        if torch.is_grad_enabled() else (own, False)
+    switches, refused_replica = agreed_over_replicas(own, refusal is not None, device) \
+        if torch.is_grad_enabled() else (own, None)
     if refusal is not None:
         raise refusal
-    if refused_somewhere:
-        raise UnsupportedSetupError(another_replica_refused())
+    if refused_replica is not None:
+        raise UnsupportedSetupError(another_replica_refused(refused_replica, ctx.cp.size))
     if switches != own:
         peak = predicted_peak(dims, row, _with(base, switches), ctx.cp.size, split.ulysses)
         added = ", ".join(LABELS[n] for n in switches.on() if n not in own.on())

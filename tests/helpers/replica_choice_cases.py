@@ -121,7 +121,7 @@ def replicas_and_forwards(rank: int, world_size: int) -> dict:
         vlmcp_patch.enable(cp_size=size, device_memory_gib=budget)
         result = _step(model, [mine], order)
         out["agreed"] = {**result, "grads": _summed(_grads(model), world)}
-        by_need.agreed_over_replicas = lambda own, refused, device: (own, refused)
+        by_need.agreed_over_replicas = lambda own, refused, device: (own, None)  # nothing asked of the others
         out["per_group"] = _step(model, [mine], order)
         by_need.agreed_over_replicas = agree
 
