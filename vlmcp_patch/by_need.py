@@ -26,8 +26,10 @@ At every CP forward, before any compute (`choose_switches`, called by `forward.t
    gradients at other points of the backward than stock, and ZeRO-1/2 fill their buckets in that arrival order, so
    every rank whose gradients are reduced together must run the same of those switches (`ORDERED`). The union over
    the world (the data-parallel replicas of the CP groups: the ranks DDP, DeepSpeed and FSDP2 reduce over) is taken:
-   one all-reduce (MAX) of four flags, issued by every rank at every CP forward with a graph, beside the group's
-   room's. A switch only ever lowers a row's peak, so the union fits every replica. A replica whose row is refused
+   one all-reduce (MAX) of four numbers, issued by every rank at every CP forward with a graph, after the group's
+   room's (one collective could serve both — every rank's fit of every set at its group's slot, MIN over the world —
+   but it would price every set at every forward, where the cheapest-first pricing stops at the first set that
+   fits). A switch only ever lowers a row's peak, so the union fits every replica. A replica whose row is refused
    says so in the same all-reduce: every rank of every replica raises, none waits in a gradient reduction. The
    fused head's chunk is left per group: the head's gradient arrives at one point whatever its chunk, and a small
    chunk forced onto a row whose automatic chunk is smaller would cost memory. The tiled functions run whenever their
