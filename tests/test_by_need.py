@@ -111,7 +111,9 @@ def test_the_settings_are_auto_by_need_or_explicit(monkeypatch):
         assert read.mlp_tile_tokens == want and read.vision_tile_patches == want
     for raw, want in (("auto", "auto"), ("1", True), ("0", False)):
         monkeypatch.setenv("VLMCP_RECOMPUTE_NORMS", raw)
-        assert settings._from_environment().recompute_norms == want
+        monkeypatch.setenv("VLMCP_OFFLOAD_FEATURES", raw)
+        read = settings._from_environment()
+        assert read.recompute_norms == want and read.offload_features == want
     monkeypatch.setenv("VLMCP_DEVICE_MEMORY_GIB", "12.5")
     assert settings._from_environment().device_memory_gib == 12.5
     monkeypatch.setenv("VLMCP_DEVICE_MEMORY_GIB", "lots")
@@ -239,6 +241,53 @@ def test_switches_by_need_at_three_budgets_and_a_refusal(once):
             assert "fits without switches" in roomy["lines"][0]
         else:
             assert all(not run["lines"] for run in (roomy, medium, tight)), rank
+
+
+@pytest.mark.integration
+def test_the_features_go_to_the_host_by_need_and_change_no_bit():
+    """With the checkpoint offload on and the features the only switch left to the need: at a budget between the row's
+    prices with the features on the device and on the host they are parked (the tensors counted) and the step's loss
+    and gradients are the same bits as at a roomy budget, where they stay on the device (the control)."""
+    from tests.helpers.by_need_cases import features_by_need
+
+    for rank, res in enumerate(run_distributed(features_by_need, 2, timeout=600)):
+        kept, parked = res["prices"]
+        assert parked < kept, res["prices"]
+        needed, roomy = res["needed"], res["roomy"]
+        assert "features" in needed["switches"] and "features" not in roomy["switches"], (rank, needed, roomy)
+        # the merged features and the three deepstack levels parked, their gradients handed back once
+        assert needed["counts"]["parked"] == 4 and needed["counts"]["unparked"] == 1, needed["counts"]
+        assert roomy["counts"]["parked"] == roomy["counts"]["unparked"] == 0, roomy["counts"]
+        assert needed["loss"] == roomy["loss"] and res["same_bits"], rank
+
+
+def test_the_features_are_chosen_only_with_the_offload_and_as_set(settings_back):
+    """On Qwen3-VL-8B's 4M-token video row at P=8 with the tiles and norms on: the features on the host are a candidate
+    only with the checkpoint offload on; a room between the two prices takes them, a roomy one leaves them; set to 0
+    they are never chosen, set to 1 always."""
+    import vlmcp_patch
+    from vlmcp_patch import by_need
+    from vlmcp_patch.planning import Row, Training, model_dims, package_ulysses
+
+    dims, row, ulysses = model_dims("qwen3-vl-8b"), Row.video(4 * 2**20), package_ulysses(model_dims("qwen3-vl-8b"), 8)
+    vlmcp_patch.enable(mlp_tile_tokens="on", vision_tile_patches="on", recompute_norms=True, loss_chunk_tokens=4096)
+    assert not any(s.features for s in by_need.candidates())  # no offload: never by need
+    vlmcp_patch.enable(offload_checkpoints=True)
+    try:
+        base = Training(gradient_checkpointing=True, sharding="zero3", offload_checkpoints=True, offload_optimizer=True)
+        sets = {s: by_need.predicted_peak(dims, row, by_need._with(base, s), 8, ulysses) for s in by_need.candidates()}
+        assert [s.on() for s in sets] == [["norms", "vision", "mlp"], ["norms", "vision", "mlp", "features"]]
+        kept, parked = sets.values()
+        assert parked < 0.9 * kept
+        chosen, _, why = by_need.choose(dims, row, base, 8, ulysses, (kept + parked) / 2)
+        assert chosen.features and "features on host" in why
+        assert not by_need.choose(dims, row, base, 8, ulysses, 1.1 * kept)[0].features
+        vlmcp_patch.enable(offload_features=False)
+        assert not any(s.features for s in by_need.candidates())
+        vlmcp_patch.enable(offload_features=True)
+        assert all(s.features for s in by_need.candidates())
+    finally:
+        vlmcp_patch.enable(offload_checkpoints=False, offload_features="auto")
 
 
 @pytest.mark.integration

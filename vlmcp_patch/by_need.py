@@ -1,6 +1,7 @@
 """Switches chosen by need: the plan at run time.
 
-The memory switches — a smaller chunk of the fused head, the RMSNorms recomputed, the vision tower in tiles, the MLPs
+The memory switches — a smaller chunk of the fused head, the vision features on the host (with the checkpoint offload
+on), the RMSNorms recomputed, the vision tower in tiles, the MLPs
 in tiles — are exact, but each costs time: on one H200 the MLP in tiles took x1.401 of its stock time and the RMSNorm
 recomputed x1.415 of its own (docs/testing.md, sections 9 and 10). A row that fits without them should not pay that.
 
@@ -101,7 +102,7 @@ def training_of(model, switches: Switches):
         dp=data_parallel_world_size(), bytes_per_value=_compute_bytes(params),
         offload_checkpoints=SETTINGS.offload_checkpoints, tiled_mlp=switches.mlp, tiled_vision=switches.vision,
         mlp_tile_tokens=sized(SETTINGS.mlp_tile_tokens), vision_tile_patches=sized(SETTINGS.vision_tile_patches),
-        recompute_norms=switches.norms, frozen_head=frozen, loss_chunk=chunk,
+        recompute_norms=switches.norms, frozen_head=frozen, loss_chunk=chunk, park_features=switches.features,
         attention=getattr(model.config, "_attn_implementation", None) or "sdpa")
 
 
@@ -138,7 +139,8 @@ def predicted_peak(dims, row, training, size: int, ulysses: int) -> float:
 
 def candidates(helps_chunk: bool = True) -> list[Switches]:
     """The sets the explicit settings allow, cheapest first."""
-    free = [n for n in SWITCHES if explicit(n) is None and (n != "loss_chunk" or helps_chunk)]
+    free = [n for n in SWITCHES if explicit(n) is None and (n != "loss_chunk" or helps_chunk)
+            and (n != "features" or SETTINGS.offload_checkpoints)]  # by need, only where the host pool is opted in
     forced = {n: bool(explicit(n)) for n in SWITCHES if explicit(n) is not None}
     sets = []
     for mask in range(2 ** len(free)):
@@ -219,7 +221,8 @@ def choose(dims, row, base, size: int, ulysses: int, room: float | None) -> tupl
 
 def _with(base, s: Switches):
     chunk = SETTINGS.loss_chunk_tokens or (SMALL_LOSS_CHUNK if s.loss_chunk else 0)
-    return replace(base, tiled_mlp=s.mlp, tiled_vision=s.vision, recompute_norms=s.norms, loss_chunk=chunk)
+    return replace(base, tiled_mlp=s.mlp, tiled_vision=s.vision, recompute_norms=s.norms, loss_chunk=chunk,
+                   park_features=s.features)
 
 
 def _scaled(row, factor: float):

@@ -32,13 +32,16 @@ GIB = 2**30
 # Tokens per chunk of the fused head when the row needs a smaller one than the automatic rule's (docs/memory.md: at
 # 256 tokens the head's chunk no longer sets the peak)
 SMALL_LOSS_CHUNK = 256
-# Cheapest first: a smaller head chunk (the same FLOPs in more matmuls), the RMSNorms recomputed (x1.415 on the norms,
-# a few % of a step), the vision tower in tiles (one more forward of the tower without checkpointing, none with it:
-# the tiles' recompute replaces the blocks'), the MLPs in tiles (x1.401 on the MLPs, most of a step's matmuls)
-SWITCHES = ("loss_chunk", "norms", "vision", "mlp")
-LABELS = {"loss_chunk": "small loss chunk", "norms": "norm recompute", "vision": "vision tiles", "mlp": "MLP tiles"}
-VARIABLES = {"loss_chunk": "VLMCP_LOSS_CHUNK", "norms": "VLMCP_RECOMPUTE_NORMS", "vision": "VLMCP_VISION_TILE_PATCHES",
-             "mlp": "VLMCP_MLP_TILE_TOKENS"}
+# Cheapest first: a smaller head chunk (the same FLOPs in more matmuls), the vision features on the host (four
+# synchronous copies of them a step, with the checkpoint offload only: about 1e-4 of a long row's step), the RMSNorms
+# recomputed (x1.415 on the norms, a few % of a step), the vision tower in tiles (one more forward of the tower without
+# checkpointing, none with it: the tiles' recompute replaces the blocks'), the MLPs in tiles (x1.401 on the MLPs, most
+# of a step's matmuls)
+SWITCHES = ("loss_chunk", "features", "norms", "vision", "mlp")
+LABELS = {"loss_chunk": "small loss chunk", "features": "features on host", "norms": "norm recompute",
+          "vision": "vision tiles", "mlp": "MLP tiles"}
+VARIABLES = {"loss_chunk": "VLMCP_LOSS_CHUNK", "features": "VLMCP_OFFLOAD_FEATURES", "norms": "VLMCP_RECOMPUTE_NORMS",
+             "vision": "VLMCP_VISION_TILE_PATCHES", "mlp": "VLMCP_MLP_TILE_TOKENS"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Switches:
     norms: bool = False
     vision: bool = False
     mlp: bool = False
+    features: bool = False  # last, so positional sets of the four tile switches keep their meaning
 
     def on(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name)]
@@ -78,6 +82,8 @@ class Choice:
         """The one log line (module docstring)."""
         states = []
         for name in SWITCHES:
+            if name == "features" and not (SETTINGS.offload_checkpoints or explicit(name) is not None):
+                continue  # no host pool opted in, nothing set: not a switch of this run
             state = "on" if getattr(self.switches, name) else "off"
             states.append(f"{LABELS[name]} {state}{' (set)' if name in self.explicit else ''}")
         room = "no limit known" if self.room is None else f"{size_text(self.room)} free after the margin"
@@ -108,6 +114,8 @@ def explicit(name: str) -> bool | None:
         value = SETTINGS.vision_tile_patches
     elif name == "norms":
         return None if SETTINGS.recompute_norms == AUTO else SETTINGS.recompute_norms
+    elif name == "features":  # by need it acts only with the checkpoint offload on (`features_on_host`)
+        return None if SETTINGS.offload_features == AUTO else SETTINGS.offload_features
     else:  # a chunk set by hand is the chunk: no smaller one by need
         return False if SETTINGS.loss_chunk_tokens else None
     return None if value == AUTO else value != 0
@@ -244,5 +252,4 @@ def features_on_host() -> bool:
     if setting != AUTO:
         return bool(setting)
     choice = choice_in_effect()
-    return (SETTINGS.offload_checkpoints and cp_size() > 1 and choice is not None
-            and getattr(choice.switches, "features", False))
+    return SETTINGS.offload_checkpoints and cp_size() > 1 and choice is not None and choice.switches.features

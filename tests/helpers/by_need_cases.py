@@ -125,3 +125,41 @@ def budgets(rank: int, world_size: int, names=("roomy", "medium", "tight", "refu
         vlmcp_patch.enable(cp_size=1, device_memory_gib=0)
     return out
 
+
+
+def features_by_need(rank: int, world_size: int) -> dict:
+    """The vision features parked on the host by need (`VLMCP_OFFLOAD_FEATURES=auto` with the checkpoint offload on):
+    the tiles and norms set, the head's chunk set to its automatic size (so the features are the only switch left to
+    the need), at a budget between the row's prices with the features on the device and on the host, and at a roomy
+    one. For each: the switches chosen, the tensors parked, the loss and every gradient of this rank."""
+    import vlmcp_patch
+    from vlmcp_patch import by_need
+    from vlmcp_patch.loss import chunk_tokens
+    from vlmcp_patch.offload import HOST_CHECKPOINTS
+
+    model, batch = model_and_row()
+    config = model.config.text_config
+    chunk = chunk_tokens(TOKENS // world_size, config.hidden_size, config.vocab_size)
+    vlmcp_patch.enable(cp_size=world_size, offload_checkpoints=True, mlp_tile_tokens="on", vision_tile_patches="on",
+                       recompute_norms=False, loss_chunk_tokens=chunk)
+    out = {}
+    try:
+        priced = prices(model, batch, world_size)
+        kept, parked = priced["sets"][("vision", "mlp")], priced["sets"][("vision", "mlp", "features")]
+        out["prices"] = (kept, parked)
+        for name, room in (("needed", (kept + parked) / 2), ("roomy", 1.25 * kept)):
+            vlmcp_patch.enable(device_memory_gib=budget_for(room, priced["pending"]))
+            by_need.STATE.choice = None
+            HOST_CHECKPOINTS.counts.drain()
+            model.zero_grad(set_to_none=True)
+            loss = model(**batch).loss
+            loss.backward()
+            out[name] = {"switches": by_need.STATE.choice.switches.on(), "counts": HOST_CHECKPOINTS.counts.drain(),
+                         "loss": loss.item(),
+                         "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+        needed, roomy = out["needed"].pop("grads"), out["roomy"].pop("grads")
+        out["same_bits"] = needed.keys() == roomy.keys() and all(torch.equal(needed[n], roomy[n]) for n in roomy)
+    finally:
+        vlmcp_patch.enable(cp_size=1, device_memory_gib=0, offload_checkpoints=False, mlp_tile_tokens="auto",
+                           vision_tile_patches="auto", recompute_norms="auto", loss_chunk_tokens=0)
+    return out
