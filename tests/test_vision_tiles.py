@@ -1,15 +1,26 @@
-"""The vision tower over tiles of items under CP (`vlmcp_patch/vision_tiles.py`): exact against stock at P=1 with
-several tiles really run, each vision parameter's gradient accumulated once per tower call, nothing changed with CP
-off; the tiles of a share and their automatic size."""
+"""The vision tower over tiles of items (`vlmcp_patch/vision_tiles.py`): under CP exact against stock at P=1 with
+several tiles really run, each vision parameter's gradient accumulated once per tower call; with CP off stock bit for
+bit by default and, as set, every tower call in tiles, exact; a switch that is on tiles even one tile; the tiles of a
+share and their automatic size."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.helpers.cases import MULTI_IMAGE
 from tests.helpers.harness import run_distributed
-from tests.helpers.parity import TOL
-from tests.helpers.vision_tile_cases import CASES, run_pixel_moves, run_vision_tile_cases
+from tests.helpers.parity import TOL, gradient_errors
+from tests.helpers.vision_replica_cases import REPLICA_CASES, run_replica_cases
+from tests.helpers.vision_tile_cases import (
+    CASES,
+    TWO_VIDEOS,
+    VIDEO_GROUPS,
+    _model_and_batch,
+    run_every_item_in_tiles,
+    run_pixel_moves,
+    run_vision_tile_cases,
+)
 from tests.helpers.zero3_vision_cases import run_zero3_vision_cases
 from vlmcp_patch.vision_tiles import Tile, plan_tiles, tile_patches
 
@@ -42,12 +53,24 @@ def test_tiled_vision_tower_equals_stock(cp_size, once):
     assert ran > 0
 
 
+def test_every_item_on_every_rank_runs_in_tiles_under_cp():
+    """With vision data parallelism off (`VLMCP_VISION_DP=0`) at P=2, each rank's tower call holds every item: with
+    tiles set it runs them in tiles (the call as with CP off), and the loss, logits and every gradient summed over
+    the group equal stock P=1's within 1e-5. The control: the tiles ran, each in forward and in backward."""
+    for rank, m in enumerate(run_distributed(run_every_item_in_tiles, 2, timeout=600)):
+        assert m["loss_err"] <= TOL and m["logits_err"] <= TOL, rank
+        assert m["grad_err"] <= TOL, (rank, m["worst_grad"])
+        tiles = m["tiles"]  # the step's two calls (images, video) tiled, then the logits' forward's
+        assert tiles["calls"] == 4 and tiles["backward_tiles"] * 2 <= tiles["forward_tiles"], (rank, tiles)
+
+
 def test_zero3_tiles_the_tower_inside_one_gathered_call_like_p1():
     """DeepSpeed ZeRO-3 at P=2 (gloo): the tower a ZeRO-3 leaf, gathered whole once per call, its tiles inside that
     call — four on rank 0, one on rank 1: different numbers of tiles, the same collectives — and every parameter's
     full gradient equal to stock's at P=1; the same leaf tower called twice per forward (images, then the video), tiled
-    and untiled, each parameter reduced once; with vision tiling off, a tower gathered module by module (its MLPs no
-    leaves: two calls of a leaf per forward reduced twice) called twice."""
+    and untiled (the images shared by patches), and both untiled (by need, nothing chosen), each parameter reduced once;
+    with vision tiling off, a tower gathered module by module (its MLPs no leaves: two calls of a leaf per forward
+    reduced twice) called twice; with vision data parallelism off, each rank's two calls (every item) in tiles."""
     pytest.importorskip("deepspeed")
     results = run_distributed(run_zero3_vision_cases, 2, timeout=600)
     assert [r["uneven tiles"]["tiles"]["forward_tiles"] for r in results] == [4, 1]
@@ -61,29 +84,167 @@ def test_zero3_tiles_the_tower_inside_one_gathered_call_like_p1():
         assert tiles["calls"] == 1 and tiles["backward_tiles"] == tiles["forward_tiles"], (rank, tiles)
         assert per_case["tiled and untiled calls"]["tiles"]["calls"] == 1, rank  # the video's call: tiled
         assert per_case["untiled calls"]["tiles"]["calls"] == 0, rank
+        assert per_case["every item in tiles"]["tiles"]["calls"] == 2, rank  # images, video: each call whole, tiled
 
 
-def test_cp_off_never_tiles(reapply):
-    """With CP off (P=1) a one-patch tile changes nothing: no tile runs, the loss and every gradient equal stock's bit
-    for bit."""
+# CP off (P=1): the default is the stock tower bit for bit; an explicit setting tiles every call of the tower, exactly
+
+P1_CASES = [  # (family, gradient checkpointing, layout)
+    ("qwen3_vl", False, MULTI_IMAGE),  # images only: one tower call
+    ("qwen3_vl", True, VIDEO_GROUPS),  # a video of four temporal groups beside two images: two calls
+    ("qwen3_5", "reentrant", TWO_VIDEOS),  # no deepstack levels
+]
+
+
+def _p1_step(model, batch: dict, **settings) -> tuple[torch.Tensor, dict, dict]:
+    """Loss, gradients and the tower's tiles of one training step at P=1 with `settings` (the package reverted for
+    none: stock)."""
     import vlmcp_patch
     from tests.helpers.tile_cases import stock_step
-    from tests.helpers.vision_tile_cases import VIDEO_GROUPS, _model_and_batch
     from vlmcp_patch.vision_tiles import VISION_TILES
 
-    model, batch = _model_and_batch("qwen3_vl", False, VIDEO_GROUPS)
-    vlmcp_patch.revert()
-    ref_loss, ref_grads = stock_step(model, batch)
-    vlmcp_patch.apply()
-    vlmcp_patch.enable(cp_size=1, vision_tile_patches=1)
+    if not settings:
+        vlmcp_patch.revert()
+        try:
+            return (*stock_step(model, batch), {})
+        finally:
+            vlmcp_patch.apply()
+    vlmcp_patch.enable(cp_size=1, **settings)
     VISION_TILES.drain()
     try:
         loss, grads = stock_step(model, batch)
     finally:
-        vlmcp_patch.enable(vision_tile_patches="auto")
-    assert VISION_TILES.drain()["calls"] == 0
+        vlmcp_patch.enable(vision_tile_patches="auto", device_memory_gib=0)
+    return loss, grads, VISION_TILES.drain()
+
+
+@pytest.mark.parametrize("setting", ["auto", 0])
+def test_cp_off_default_is_the_stock_tower_bit_for_bit(setting, reapply):
+    """With CP off (P=1), `auto` (with a budget nothing fits: the choice by need acts under CP only) and `0` change
+    nothing: no tile runs, the loss and every gradient equal stock's bit for bit."""
+    model, batch = _model_and_batch("qwen3_vl", True, VIDEO_GROUPS)
+    ref_loss, ref_grads, _ = _p1_step(model, batch)
+    loss, grads, tiles = _p1_step(model, batch, vision_tile_patches=setting, device_memory_gib=1e-9)
+    assert tiles["calls"] == 0
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+
+
+@pytest.mark.parametrize("family, checkpointing, layout", P1_CASES, ids=lambda c: c if isinstance(c, str) else None)
+def test_explicit_tiles_with_cp_off_equal_the_stock_tower(family, checkpointing, layout, reapply):
+    """`VLMCP_VISION_TILE_PATCHES=16` at P=1 (a tile per temporal group or image, several per call): every call of
+    the tower runs its items in tiles, recomputed in backward — with the blocks' gradient checkpointing on or off —
+    and the loss and every parameter's gradient equal the stock tower's within 1e-5. The control: the tiles ran,
+    several per call, each once forward and once recomputed in backward."""
+    model, batch = _model_and_batch(family, checkpointing, layout)
+    ref_loss, ref_grads, _ = _p1_step(model, batch)
+    loss, grads, tiles = _p1_step(model, batch, vision_tile_patches=16)
+    calls = sum(key in batch for key in ("pixel_values", "pixel_values_videos"))
+    assert tiles["calls"] == calls and tiles["forward_tiles"] >= 2 * calls, tiles
+    assert tiles["backward_tiles"] == tiles["forward_tiles"], tiles
+    assert float((loss - ref_loss).abs()) <= TOL * float(ref_loss.abs())
+    assert grads.keys() == ref_grads.keys()
+    errors, _ = gradient_errors(grads, ref_grads)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, (worst, errors[worst])
+
+
+def test_one_tile_with_cp_off_still_takes_the_tiled_function(reapply):
+    """A switch that is on takes the tiled function even where a call makes one tile (tiles of a million patches):
+    the gradients' arrival then depends on the switch, not the row. One tile is exact: the loss and every gradient
+    within 1e-5 of stock's."""
+    model, batch = _model_and_batch("qwen3_vl", False, VIDEO_GROUPS)
+    ref_loss, ref_grads, _ = _p1_step(model, batch)
+    loss, grads, tiles = _p1_step(model, batch, vision_tile_patches="on")
+    assert tiles == {"calls": 2, "forward_tiles": 2, "backward_tiles": 2}, tiles
+    assert float((loss - ref_loss).abs()) <= TOL * float(ref_loss.abs())
+    errors, _ = gradient_errors(grads, ref_grads)
+    assert max(errors.values()) <= TOL
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_the_tiled_tower_returns_what_the_stock_tower_returns(family, reapply):
+    """With CP off and tiles set, the tower's call returns the stock output class: the merged features and each
+    deepstack level (Qwen3-VL; Qwen3.5 has none) whole, equal to stock's within 1e-5, with the pixels' gradient
+    (pixels that require one) and every weight's; `last_hidden_state`, which stock's `get_image_features` never reads,
+    None. A call asking for the blocks' hidden states runs the stock tower (no tile)."""
+    import vlmcp_patch
+    from vlmcp_patch.vision_tiles import VISION_TILES
+
+    model, batch = _model_and_batch(family, False, VIDEO_GROUPS)
+    tower = model.model.visual
+    grid = batch["video_grid_thw"]
+
+    def features(**settings):
+        vlmcp_patch.enable(cp_size=1, **settings)
+        pixels = batch["pixel_values_videos"].clone().requires_grad_(True)
+        tower.zero_grad(set_to_none=True)
+        VISION_TILES.drain()
+        try:
+            out = tower(pixels, grid_thw=grid, return_dict=True)
+        finally:
+            vlmcp_patch.enable(vision_tile_patches="auto")
+        fields = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+        weights = torch.randn(torch.cat(fields, -1).shape, generator=torch.Generator().manual_seed(0))
+        (torch.cat(fields, -1) * weights).sum().backward()
+        return out, fields, [p.grad for p in tower.parameters()] + [pixels.grad], VISION_TILES.drain()
+
+    ref, ref_fields, ref_grads, untiled = features(vision_tile_patches=0)
+    out, fields, grads, tiles = features(vision_tile_patches=16)
+    groups = int(grid[:, 0].sum())  # of 16 patches each: a tile each
+    assert untiled["calls"] == 0 and tiles == {"calls": 1, "forward_tiles": groups, "backward_tiles": groups}, tiles
+    assert type(out) is type(ref) and out.last_hidden_state is None and ref.last_hidden_state is not None
+    assert [f.shape for f in fields] == [f.shape for f in ref_fields]
+    assert (len(fields) > 1) == (family == "qwen3_vl")  # the deepstack levels
+    for got, want in zip(fields + grads, ref_fields + ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    vlmcp_patch.enable(cp_size=1, vision_tile_patches=16)
+    VISION_TILES.drain()
+    try:
+        with torch.no_grad():
+            hidden = tower(batch["pixel_values_videos"], grid_thw=grid, output_hidden_states=True)
+    finally:
+        vlmcp_patch.enable(vision_tile_patches="auto")
+    assert VISION_TILES.drain()["calls"] == 0 and hidden.hidden_states is not None
+
+
+@pytest.mark.parametrize("setting, tiled", [(10**6, True), ("on", True), ("auto", False), (0, False)])
+def test_a_switch_that_is_on_tiles_every_share_even_of_one_tile(setting, tiled, reapply):
+    """The group's path is set by the switch alone: on, every rank goes through the tiled function even where each
+    share makes one tile (so the vision gradients arrive in one order whatever the row); off (or `auto` with nothing
+    chosen), none does."""
+    import vlmcp_patch
+    from vlmcp_patch.vision_tiles import group_tiles
+
+    model, _ = _model_and_batch("qwen3_vl", False, VIDEO_GROUPS)
+    vlmcp_patch.enable(cp_size=1, vision_tile_patches=setting)
+    try:
+        assert group_tiles(model.model.visual, [[(1, 4, 4)], [(1, 4, 4)]]) is tiled
+    finally:
+        vlmcp_patch.enable(vision_tile_patches="auto")
+
+
+def test_zero_replicas_with_cp_off_take_the_tiled_function_whatever_their_tiles():
+    """DeepSpeed ZeRO-2 at P=1 over two data replicas (gloo), each its own row, `VLMCP_VISION_TILE_PATCHES=32`: rank
+    0's video makes four tiles, rank 1's one, which goes through the tiled function too, so the vision gradients
+    arrive in the same order on both replicas and every reduced gradient equals stock's mean over the two rows within
+    1e-5. The control: rank 1 untiled (`0`), its vision gradients arriving block by block against rank 0's all at
+    once — ZeRO-2 reduces its flat buckets as packed in arrival order, and sums different parameters' gradients.
+    A replica with text alone runs its placeholder pass through the tiled function too. ZeRO-3 at P=1 gathers the
+    tower module by module (the integration makes it a leaf under CP only): it runs untiled on both replicas,
+    exactly."""
+    pytest.importorskip("deepspeed")
+    cases = run_distributed(run_replica_cases, 2, timeout=600)
+    same, mixed, placeholder, zero3 = ([r[name] for r in cases] for name, *_ in REPLICA_CASES)
+    assert [r["tiles"] for r in same] == [{"calls": 1, "forward_tiles": 4, "backward_tiles": 4},
+                                          {"calls": 1, "forward_tiles": 1, "backward_tiles": 1}]
+    assert all(r["grad_err"] <= TOL for r in same), same
+    assert mixed[1]["tiles"]["calls"] == 0 and mixed[0]["grad_err"] > 1e-2, mixed
+    # a replica whose row is text alone runs a placeholder through the tower (`VLMCP_MATCH_VISION_PASSES=1`): one tile
+    assert placeholder[1]["tiles"] == {"calls": 1, "forward_tiles": 1, "backward_tiles": 1}, placeholder
+    assert all(r["grad_err"] <= TOL for r in placeholder), placeholder
+    assert [r["tiles"]["calls"] for r in zero3] == [0, 0] and all(r["grad_err"] <= TOL for r in zero3), zero3
 
 
 def test_tiles_are_whole_temporal_groups_in_order():
@@ -100,7 +261,7 @@ def test_tiles_are_whole_temporal_groups_in_order():
 @pytest.mark.parametrize("patches, configured, expected", [
     (1_000_000, "auto", 6_411),  # 156 tiles: a tile's activations within the share's kept features
     (20_000, "auto", 5_000),  # the tile's floor, MIN_TILE, in equal tiles
-    (3_000, "auto", 3_000),  # shorter than a tile: one tile, the stock tower
+    (3_000, "auto", 3_000),  # shorter than a tile: one tile (still through the tiled function)
     (100, 7, 7),
     (100, 0, 100),  # 0: untiled
 ])

@@ -72,6 +72,24 @@ def run_vision_tile_cases(rank: int, world_size: int) -> dict:
     return results
 
 
+def run_every_item_in_tiles(rank: int, world_size: int) -> dict:
+    """With vision data parallelism off (every rank encodes every item) and tiles of 16 patches: parity metrics
+    (`parity.compare`), and the tower tiles this rank ran."""
+    import vlmcp_patch
+    from tests.helpers.parity import compare
+    from vlmcp_patch.vision_tiles import VISION_TILES
+
+    vlmcp_patch.enable(vision_tile_patches=16, vision_dp=False)
+    try:
+        model, batch = _model_and_batch("qwen3_vl", True, VIDEO_GROUPS)
+        VISION_TILES.drain()
+        metrics = compare(model, batch, world_size)
+        metrics["tiles"] = VISION_TILES.drain()
+    finally:
+        vlmcp_patch.enable(vision_tile_patches="auto", vision_dp=True)
+    return metrics
+
+
 def run_pixel_moves(rank: int, world_size: int) -> dict:
     """Per vision tile setting (0: untiled, 32 patches), the rows of each move of the caller's pixels to the tower's
     device and dtype that this rank's CP step made, forward and backward. The pixels are given in float64 and the

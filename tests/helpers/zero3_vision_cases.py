@@ -15,9 +15,11 @@ from tests.helpers.vision_tile_cases import UNEVEN_VIDEOS, VIDEO_GROUPS, _model_
 # call); the video of four groups beside two images, in tiles of a group, makes a tiled call (the video) and an untiled
 # one (the two images, which do not balance over two ranks, shared by patches: never tiled); by need with no memory
 # limit known ("auto") two untiled calls: the leaf tower called twice per forward; with vision tiling off (0) the
-# tower is no leaf, gathered module by module, and called twice.
+# tower is no leaf, gathered module by module, and called twice; with vision data parallelism off every rank runs
+# every item, in tiles, in each of its two calls.
 ZERO3_CASES = [("uneven tiles", UNEVEN_VIDEOS, 16), ("tiled and untiled calls", VIDEO_GROUPS, 1),
-               ("untiled calls", VIDEO_GROUPS, "auto"), ("vision tiling off", VIDEO_GROUPS, 0)]
+               ("untiled calls", VIDEO_GROUPS, "auto"), ("vision tiling off", VIDEO_GROUPS, 0),
+               ("every item in tiles", VIDEO_GROUPS, 16, False)]
 
 
 def _reference_grads(model, batch) -> tuple[float, dict]:
@@ -44,8 +46,8 @@ def run_zero3_vision_cases(rank: int, world_size: int) -> dict:
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     results = {}
-    for name, layout, tile in ZERO3_CASES:
-        vlmcp_patch.enable(cp_size=1, vision_tile_patches=tile)
+    for name, layout, tile, *vision_dp in ZERO3_CASES:
+        vlmcp_patch.enable(cp_size=1, vision_tile_patches=tile, vision_dp=vision_dp[0] if vision_dp else True)
         model, batch = _model_and_batch("qwen3_vl", False, layout)
         ref_loss, ref_grads = _reference_grads(model, batch)
         vlmcp_patch.enable(cp_size=world_size)
@@ -70,5 +72,5 @@ def run_zero3_vision_cases(rank: int, world_size: int) -> dict:
         results[name] = {"tiles": tiles, "leaf": bool(getattr(engine.module.model.visual, "_z3_leaf", False)),
                          "loss": float(loss), "ref_loss": ref_loss, "grad_err": worst, "worst": where}
         engine.destroy()
-    vlmcp_patch.enable(cp_size=1, vision_tile_patches="auto")
+    vlmcp_patch.enable(cp_size=1, vision_tile_patches="auto", vision_dp=True)
     return results

@@ -142,7 +142,8 @@ def _vision_patches(family: Family, image_features: ImageFeatures) -> list[Patch
                 target=family.target(family.vision_model, "forward"),
                 wrapper=tower_forward,
                 reason="under CP: a share's tiles of items run inside one call of the tower (vision_tiles.py, "
-                "VLMCP_VISION_TILE_PATCHES), each through the stock forward, recomputed tile by tile in backward; a "
+                "VLMCP_VISION_TILE_PATCHES), each through the stock forward, recomputed tile by tile in backward (with "
+                "CP off, as set: the call's own items, the stock output class returned); a "
                 "ZeRO-3 leaf tower's anchor is fed in. It calls the stock forward per tile and relies on the tower "
                 "never mixing temporal patch groups: no upstream code is mirrored",
                 expects=("hidden_states", "grid_thw"),
