@@ -98,8 +98,10 @@ def predicted_peak(point: dict, constants: Constants, cache: dict) -> float:
     # benchmark leaves parameter gradients out of its count, and the head weight's fp32 gradient becomes that
     # parameter's .grad
     bf16 = point.get("dtype") == "bf16"  # the benchmark's head is frozen (tied embeddings): no fp32 copy of a chunk
+    # the first cached runs (no `tiled_mlp` key) had the tower untiled too; the later ones ran it as the memory
+    # benchmark does by default, in tiles (a one-tile share included: the tiled function runs whenever the switch is on)
     training = Training(sharding="none", gradient_checkpointing=point["gc"], bytes_per_value=2 if bf16 else 4,
-                        attention="sdpa", frozen_head=True,
+                        attention="sdpa", frozen_head=True, tiled_vision=point.get("tiled_vision", "tiled_mlp" in point),
                         tiled_mlp=point.get("tiled_mlp", False), offload_checkpoints=point.get("offload", False),
                         loss_chunk=point.get("loss_chunk", 0), recompute_norms=point.get("recompute_norms", False),
                         mlp_tile_tokens=point.get("mlp_tile_tokens"),

@@ -51,10 +51,11 @@ from ..context import CTX_KWARG, CPContext, current_cp_forward
 from ..distributed import CPGroup
 from ..flags import ENCODING_VIDEO, VISION_PLACEHOLDERS, scoped
 from ..layout import BY_ITEMS, EVERY_ITEM, VisionShare, round_up, segments_from_lengths, shard_slice
+from ..offload import park_features, parks_features
 from ..sharding import zero3_leaf
 from ..stats import STATS
 from ..supported import family_of
-from ..vision_tiles import TILES_KWARG, Tied, encode_in_tiles, group_tiles, tower_placement
+from ..vision_tiles import TILES_KWARG, Tied, encode_in_tiles, group_tiles, tiles_whole_call, tower_placement
 from .arguments import call_arguments
 
 # Keyword arguments that precompute per-patch tables for the whole batch: under CP each rank computes those of
@@ -248,9 +249,10 @@ def features_of_slice(tower, pixels: torch.Tensor, grid: torch.Tensor, tokens: t
 
 def _split_joined(out, joined: torch.Tensor, deepstack_per_item: bool):
     """The tower's output class holding `joined`'s columns as one item: the merged features and each deepstack
-    level (each level a one-item tuple where the installed release splits them per item)."""
+    level (each level a one-item tuple where the installed release splits them per item). With the checkpoint
+    offload on they are host copies (`offload.park_features`), else views of `joined`."""
     widths = [f.shape[-1] for f in _features(out)]
-    merged, *levels = joined.split(widths, dim=-1)
+    merged, *levels = park_features(joined, widths) if parks_features() else joined.split(widths, dim=-1)
     fields = {"pooler_output": (merged,)}
     if getattr(out, "deepstack_features", None) is not None:
         fields["deepstack_features"] = [(level,) if deepstack_per_item else level for level in levels]
@@ -355,15 +357,21 @@ def tower_forward(wrapped, instance, args, kwargs):
 
     With `TILES_KWARG` (a `_TiledOutput`, from `encode_items`): the share's joined features (merged tokens,
     features), computed in tiles inside this one call (`vision_tiles.encode_in_tiles`), each tile through the
-    unhooked stock forward. Inside an anchored call (`tower_call`): the anchor is fed into the tiles, or tied to the
-    pixels of the stock forward; the output of a call torch's hooks should see is a tensor or a tuple (the stock
-    output's leaves), of one they should not a list or the stock output. Otherwise the stock forward."""
+    unhooked stock forward. Without it, with the tower's tiles on and a call that asks for its features alone
+    (`vision_tiles.tiles_whole_call`: CP off, at P=1 only as set; under CP every item on every rank, a placeholder
+    pass): the call's own items the same way, returned as the stock output class with the features whole (merged and
+    deepstack; `last_hidden_state` None). Inside an anchored call (`tower_call`): the anchor is fed into the tiles,
+    or tied to the pixels of the stock forward; the output of a call torch's hooks should see is a tensor or a tuple
+    (the stock output's leaves), of one they should not a list or the stock output. Otherwise the stock forward."""
     request = kwargs.pop(TILES_KWARG, None)
     call, anchor = _ANCHORED.get(), None
     if call is not None and call.tower is instance:
         *args, anchor = args
         call.hooked = anchor
+    whole = request is None and tiles_whole_call(instance, kwargs, (*WHOLE_BATCH_TABLES, CTX_KWARG))
     with scoped(_ANCHORED, None):  # the calls inside are no anchored calls
+        if whole:
+            request = _TiledOutput()
         if request is not None:
             named = call_arguments(wrapped, args, kwargs)
             pixels, grid = named.pop("hidden_states"), named.pop("grid_thw")
@@ -372,15 +380,19 @@ def tower_forward(wrapped, instance, args, kwargs):
                 return request.joined(wrapped(rows, grid_thw=grid_thw, **named))
 
             joined = encode_in_tiles(instance, pixels, grid.tolist(), encode, anchor)
-            return [joined] if anchor is not None and not call.visible else joined
-        if anchor is None:
+            if not whole:
+                return [joined] if anchor is not None and not call.visible else joined
+            merged, *levels = joined.split(request.widths, dim=-1)
+            out = request.cls(pooler_output=merged, **({"deepstack_features": levels} if request.deepstack else {}))
+        elif anchor is None:
             return wrapped(*args, **kwargs)
-        if args:
-            args = (Tied.apply(args[0], anchor), *args[1:])
         else:
-            kwargs["hidden_states"] = Tied.apply(kwargs["hidden_states"], anchor)
-        out = wrapped(*args, **kwargs)
-    if not call.visible:
+            if args:
+                args = (Tied.apply(args[0], anchor), *args[1:])
+            else:
+                kwargs["hidden_states"] = Tied.apply(kwargs["hidden_states"], anchor)
+            out = wrapped(*args, **kwargs)
+    if anchor is None or not call.visible:
         return out
     leaves, call.spec = tree_flatten(out)
     return tuple(leaves)

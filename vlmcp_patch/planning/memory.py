@@ -100,15 +100,19 @@ def merger_elements(d: ModelDims) -> float:
 
 def vision_tile(d: ModelDims, t: Training, patches: int, size: int) -> int:
     """Patches of one tile of the vision tower over a rank's `patches` (the package's rule,
-    `vision_tiles.tile_patches`: automatic, or `t.vision_tile_patches`); 0 when the tower runs untiled: tiling off,
-    CP off, FSDP (which gathers the tower module by module: the package runs it whole), or one tile. ZeRO-3 tiles:
-    the package makes the tower a ZeRO-3 leaf, gathered whole once per call (`vision_tower_gathered`)."""
-    if not (t.tiled_vision and size > 1 and d.vision_depth and patches) or t.sharding == "fsdp":
+    `vision_tiles.tile_patches`: automatic, or `t.vision_tile_patches`; a share of one tile is that tile: the package
+    takes the tiled function whenever the switch is on, `vision_tiles.group_tiles`); 0 when the tower runs untiled:
+    tiling off, CP off without a size set (`VLMCP_VISION_TILE_PATCHES=N` acts at P = 1 too), FSDP (which gathers
+    the tower module by module: the package runs it whole), ZeRO-3 at P = 1 (a leaf module under CP only). ZeRO-3
+    under CP tiles: the package makes the tower a ZeRO-3 leaf, gathered whole once per call
+    (`vision_tower_gathered`)."""
+    acts = size > 1 or (t.vision_tile_patches is not None and t.sharding != "zero3")
+    if not (t.tiled_vision and acts and d.vision_depth and patches) or t.sharding == "fsdp":
         return 0
     work = d.vision_depth * vision_elements(d)
     kept = d.hidden * (1 + d.deepstack) / d.merge**2
-    tile = tile_patches(patches, work, kept, AUTO if t.vision_tile_patches is None else t.vision_tile_patches)
-    return tile if tile < patches else 0
+    return min(patches, tile_patches(patches, work, kept,
+                                     AUTO if t.vision_tile_patches is None else t.vision_tile_patches))
 
 
 def vision_tower_gathered(d: ModelDims, t: Training, tiled: bool) -> float:
@@ -211,7 +215,7 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     att += 0.0 if recomputed else norms["attention"]
     dn += norms["gated"] + (0.0 if recomputed else norms["deltanet"]) if dn else 0.0
     vis, mergers = (vision_elements(d), merger_elements(d)) if d.vision_depth else (0.0, 0.0)
-    tiled = t.tiled_mlp and size > 1
+    tiled = t.tiled_mlp and (size > 1 or t.mlp_tile_tokens is not None)  # a size set acts at P = 1 too
     mlp = 4 * d.intermediate  # the decoder MLP's intermediates per token: alive in its recompute (or one tile's)
     if tiled:  # the MLPs' intermediates (4 I per token, 2 I_v per patch) are kept per tile, or not at all
         keep = (mlp_share(local, d.hidden, 4 * d.intermediate, tiled, t.mlp_tile_tokens)

@@ -111,7 +111,8 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
     fixed size. With checkpointing the forward exchanges run twice."""
     b, ring = t.bytes_per_value, size // ulysses
     patches = math.ceil(row.patches(d) / size)
-    flops = step_flops(d, row, t, tiled=t.tiled_mlp and size > 1, vision_tiled=vision_tile(d, t, patches, size) > 0)
+    tiled = t.tiled_mlp and (size > 1 or t.mlp_tile_tokens is not None)  # a size set acts at P = 1 too
+    flops = step_flops(d, row, t, tiled=tiled, vision_tiled=vision_tile(d, t, patches, size) > 0)
     attention_s = flops["attention"] / hw.attention_tflops / 1e12 / size
     if compute_s is None:
         compute_s = (flops["matmul"] / hw.matmul_tflops + flops["deltanet"] / hw.deltanet_tflops) / 1e12 / size

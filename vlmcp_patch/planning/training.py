@@ -14,13 +14,13 @@ class Training:
     optimizer states and master weights live in host memory (DeepSpeed offload); `offload_checkpoints`: the
     package's checkpoint offload (`VLMCP_OFFLOAD_CHECKPOINTS`): each checkpointed decoder layer's and vision block's
     input waits in a host pool between forward and backward, the last layer's input and the one prefetched stay on
-    the device; `tiled_mlp`: the MLPs in sequence tiles (`VLMCP_MLP_TILE_TOKENS`, automatic tiles), which the
-    package does under CP only (P > 1) — False prices `VLMCP_MLP_TILE_TOKENS=0`; `tiled_vision`: the vision tower
-    over tiles of items (`VLMCP_VISION_TILE_PATCHES`, automatic tiles), under CP only, not under FSDP (which
-    gathers the tower module by module: the package runs it whole; ZeRO-3 gathers it whole as a leaf module and it
-    tiles) — False prices `VLMCP_VISION_TILE_PATCHES=0`;
+    the device; `tiled_mlp`: the MLPs in sequence tiles (`VLMCP_MLP_TILE_TOKENS`, automatic tiles), under CP
+    (P > 1), at P = 1 where a size is set — False prices `VLMCP_MLP_TILE_TOKENS=0`; `tiled_vision`: the vision tower
+    over tiles of items (`VLMCP_VISION_TILE_PATCHES`, automatic tiles), under CP, at P = 1 where a size is set, not
+    under FSDP (which gathers the tower module by module: the package runs it whole; under CP ZeRO-3 gathers it
+    whole as a leaf module and it tiles) — False prices `VLMCP_VISION_TILE_PATCHES=0`;
     `mlp_tile_tokens` / `vision_tile_patches`: the tiles' size where set (`VLMCP_MLP_TILE_TOKENS=N`,
-    `VLMCP_VISION_TILE_PATCHES=N`), else (None) the package's automatic rules;
+    `VLMCP_VISION_TILE_PATCHES=N`: at P = 1 too), else (None) the package's automatic rules;
     `stock_head`: full-vocabulary fp32 logits (a head without chunking); `frozen_head`: the LM head's weight does not
     train (LoRA, frozen tied embeddings): no fp32 gradient of it, nor the fp32 copy of a chunk that makes it."""
 
@@ -72,5 +72,5 @@ class Constants:
 # pure-torch delta rule; docs/plan.md "checked against measurements"; refitted when the rotary tables and the forward's
 # exchange buffers were priced on their own, which they had absorbed). The DeltaNet ones carry the torch fallback's
 # intermediates: with flash-linear-attention's kernels on a GPU they overestimate.
-CALIBRATED = Constants(attention=0.932, deltanet=2.226, vision=0.956, attention_work=0.713, deltanet_work=2.446,
-                       vision_work=0.928, mlp_work=1.609)
+CALIBRATED = Constants(attention=0.932, deltanet=2.226, vision=0.956, attention_work=0.701, deltanet_work=2.445,
+                       vision_work=0.928, mlp_work=1.615)
