@@ -391,3 +391,34 @@ def test_two_forwards_before_one_backward_each_recompute_with_their_own_choice(r
         control = result["two_forwards_global"]
         assert control["choices"] == [["mlp"], []]
         assert "CheckpointError" in control.get("error", ""), control.get("error")
+
+
+def test_the_union_of_the_replicas_is_priced_for_each_row_and_refused_where_it_does_not_fit(settings_back):
+    """A switch another replica needs can raise this replica's peak: Qwen3-VL-8B at P=8 with the checkpoint offload, a
+    short image-heavy row fits with no switch, and the vision tiles a long video row needs (one tile here, its blocks'
+    activations all kept) do not fit it. `fit_the_union` prices the row under the union and says so (the forward then
+    raises on every rank of every replica: `check_the_union_fits`); where the head's chunk or the features on the host
+    bring it back under the room, it takes the cheapest such set."""
+    import vlmcp_patch
+    from vlmcp_patch import by_need
+    from vlmcp_patch.planning import Row, Training, model_dims, package_ulysses
+
+    vlmcp_patch.enable(offload_checkpoints=True)
+    try:
+        dims, ulysses = model_dims("qwen3-vl-8b"), package_ulysses(model_dims("qwen3-vl-8b"), 8)
+        base = Training(gradient_checkpointing=True, sharding="zero3", offload_checkpoints=True,
+                        tiled_mlp=False, tiled_vision=False, recompute_norms=False)
+        short = Row.from_items(text=32768, images=((1344, 1344),) * 8)
+        room = 6.5 * GIB
+        own, peak, _ = by_need.choose(dims, short, base, 8, ulysses, room)
+        assert not own.on() and peak <= room
+        union = by_need.Switches(vision=True)
+        switches, union_peak, fits = by_need.fit_the_union(dims, short, base, 8, ulysses, room, union)
+        assert not fits and union_peak > room and switches.vision  # the control: the union priced above the room
+        roomier = 1.02 * union_peak
+        switches, union_peak, fits = by_need.fit_the_union(dims, short, base, 8, ulysses, roomier, union)
+        assert fits and switches.vision and union_peak <= roomier
+        text = by_need.union_does_not_fit(1, 8, union, 8.3 * GIB, room)
+        assert "replica 1 (ranks 8..15)" in text and "vision tiles" in text and "Every replica stops" in text
+    finally:
+        vlmcp_patch.enable(offload_checkpoints=False)

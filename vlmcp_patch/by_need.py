@@ -30,8 +30,11 @@ At every CP forward, before any compute (`choose_switches`, called by `forward.t
    one all-reduce (MAX) of four numbers, issued by every rank at every CP forward with a graph, after the group's
    room's (one collective could serve both — every rank's fit of every set at its group's slot, MIN over the world —
    but it would price every set at every forward, where the cheapest-first pricing stops at the first set that
-   fits). A switch only ever lowers a row's peak, so the union fits every replica. A replica whose row is refused
-   says so in the same all-reduce: every rank of every replica raises, none waits in a gradient reduction. The
+   fits). A switch the union brings can raise a row's peak (a tower of one tile keeps its blocks' activations), so
+   each replica prices its row under the union (`fit_the_union`: the cheapest allowed set with the union's ordered
+   switches) and one more MAX over the world says whether any replica's does not fit: then every rank of every
+   replica raises. A replica whose row is refused says so in the first all-reduce: every rank of every replica
+   raises, none waits in a gradient reduction. The
    fused head's chunk is left per group: the head's gradient arrives at one point whatever its chunk, and a small
    chunk forced onto a row whose automatic chunk is smaller would cost memory. The tiled functions run whenever their
    switch is on, one tile included (`tiles.py`), so the switches alone set the arrival order, not the rows.
@@ -274,7 +277,9 @@ def refusal(dims, row, base, size: int, ulysses: int, room: float, best: tuple[S
         if predicted_peak(dims, row, replace(everything, gradient_checkpointing=True), size, ulysses) <= room:
             ways.append("gradient checkpointing (model.gradient_checkpointing_enable())")
     for larger in (2 * size, 4 * size, 8 * size, 16 * size, 32 * size, 64 * size):
-        if predicted_peak(dims, row, everything, larger, package_ulysses(dims, larger)) <= room:
+        # any allowed set, not only all of them: a share of one tile at a larger P is cheaper untiled
+        if any(predicted_peak(dims, row, _with(base, s), larger, package_ulysses(dims, larger)) <= room
+               for s in candidates()):
             ways.append(f"P={larger} (VLMCP_CP_SIZE={larger})")
             break
     longest = longest_fitting(dims, row, everything, size, ulysses, room)
@@ -297,20 +302,56 @@ def agreed_over_replicas(switches: Switches, refused: bool, device: torch.device
     in a group of its own so it never interleaves with the wrappers' gradient reductions), through the package's
     collective wrapper, on `device`. Issued by every rank, refused or not, at the same point; with one replica the CP
     group has agreed already: nothing to issue."""
-    from .collectives.communication import communicate
-    from .distributed import data_parallel_rank, data_parallel_world_size, world_group
+    from .distributed import data_parallel_rank, data_parallel_world_size
 
     if data_parallel_world_size() == 1:
         return switches, 0 if refused else None
     replica = data_parallel_rank() + 1 if refused else 0  # 1 + the replica's index: the MAX names the last refused
-    flags = torch.tensor([*(float(getattr(switches, n)) for n in ORDERED), float(replica)], dtype=torch.float64,
-                         device=device)
-    group = world_group()
-    communicate("all-reduce", group, flags.numel(),
-                lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group))
+    flags = max_over_world([*(float(getattr(switches, n)) for n in ORDERED), float(replica)], device)
     union = replace(switches, **{n: bool(flags[i] > 0) for i, n in enumerate(ORDERED)})
     last = int(flags[-1])
     return union, last - 1 if last else None
+
+
+def max_over_world(values: list[float], device: torch.device) -> list[float]:
+    """The MAX of `values` over every rank of the world (`distributed.world_group`: a group of its own, so it never
+    interleaves with the wrappers' gradient reductions), through the package's collective wrapper, on `device`."""
+    from .collectives.communication import communicate
+    from .distributed import world_group
+
+    flags = torch.tensor(values, dtype=torch.float64, device=device)
+    group = world_group()
+    communicate("all-reduce", group, flags.numel(),
+                lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group))
+    return flags.tolist()
+
+
+def fit_the_union(dims, row, base, size: int, ulysses: int, room: float | None,
+                  union: Switches) -> tuple[Switches, float, bool]:
+    """(switches, peak, whether they fit `room`) for this replica's row under the replicas' union of the `ORDERED`
+    switches: the cheapest allowed set with exactly the union's `ORDERED` switches (the head's chunk and the features
+    on the host free per group). A switch the union brings can raise this row's peak — a tower of one tile keeps its
+    blocks' activations, where the untiled tower keeps only their checkpoints — so the union is priced, not assumed
+    to fit."""
+    ordered = {n: getattr(union, n) for n in ORDERED}
+    sets = [s for s in candidates() if all(getattr(s, n) == v for n, v in ordered.items())] or [union]
+    peak = math.inf
+    for s in sets:
+        peak = predicted_peak(dims, row, _with(base, s), size, ulysses)
+        if room is None or peak <= room:
+            return s, peak, True
+    return sets[-1], peak, False
+
+
+def union_does_not_fit(replica: int, size: int, union: Switches, peak: float | None, room: float | None) -> str:
+    first = replica * size
+    where = (f": {size_text(peak)} for the step against {size_text(room)} free after the margin"
+             if peak is not None and room is not None else "")
+    together = ", ".join(LABELS[n] for n in ORDERED if getattr(union, n)) or "none"
+    return (f"the switches every data-parallel replica must run together ({together}: their union, so that the "
+            f"replicas' gradients arrive in one order) do not fit the row of replica {replica} (ranks {first}..{first + size - 1}){where}. Every replica stops before compute. Set the "
+            "switches the same on every replica (VLMCP_MLP_TILE_TOKENS, VLMCP_RECOMPUTE_NORMS, "
+            "VLMCP_VISION_TILE_PATCHES), give that replica rows the switches suit, or raise P.")
 
 
 def another_replica_refused(replica: int, size: int) -> str:
@@ -356,6 +397,8 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
         raise refusal
     if refused_replica is not None:
         raise UnsupportedSetupError(another_replica_refused(refused_replica, ctx.cp.size))
+    if torch.is_grad_enabled() and data_parallel_world_size() > 1:
+        switches = check_the_union_fits(dims, row, base, ctx, room, own, switches, device)
     if switches != own:
         peak = predicted_peak(dims, row, _with(base, switches), ctx.cp.size, split.ulysses)
         added = ", ".join(LABELS[n] for n in switches.on() if n not in own.on())
@@ -369,6 +412,24 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
         STATE.logged = switches
         LOGGER.warning("%s", choice.line())
     return choice
+
+
+def check_the_union_fits(dims, row, base, ctx, room: float | None, own: Switches, union: Switches,
+                         device: torch.device) -> Switches:
+    """This replica's switches under the replicas' union (`fit_the_union`), or `UnsupportedSetupError` on every rank
+    of every replica when the union fits some replica's row nowhere: one more MAX over the world (1 + the index of a
+    replica that overflows), issued by every rank after the agreement, whether its own set changed or not."""
+    from .distributed import data_parallel_rank
+
+    switches, peak, fits = (own, None, True) if union == own else \
+        fit_the_union(dims, row, base, ctx.cp.size, ctx.split.ulysses, room, union)
+    (overflow,) = max_over_world([0.0 if fits else data_parallel_rank() + 1.0], device)
+    if overflow:
+        replica = int(overflow) - 1
+        mine = replica == data_parallel_rank()
+        raise UnsupportedSetupError(union_does_not_fit(replica, ctx.cp.size, union, peak if mine else None,
+                                                       room if mine else None))
+    return switches
 
 
 def _dims(model, dims_from_config):

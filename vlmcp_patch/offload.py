@@ -602,6 +602,10 @@ class _ParkedFeatures(torch.autograd.Function):
     def forward(ctx, joined: torch.Tensor, widths: list[int]):
         ctx.set_materialize_grads(False)
         ctx.rows, ctx.widths, ctx.dtype, ctx.device = joined.shape[0], list(widths), joined.dtype, joined.device
+        # backward runs on the CPU's queue (its inputs are host tensors): it writes `joined`'s gradient on the stream
+        # the forward ran on, which the tower's backward then reads on
+        ctx.stream = torch.get_device_module(joined.device).current_stream(joined.device) \
+            if joined.device.type != "cpu" else None
         parked = tuple(_host_copy(part) for part in joined.detach().split(widths, dim=-1))
         HOST_CHECKPOINTS.counts.parked += len(parked)
         for tensor in parked:
@@ -610,12 +614,15 @@ class _ParkedFeatures(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        joined = torch.empty(ctx.rows, sum(ctx.widths), dtype=ctx.dtype, device=ctx.device)
-        for part, grad in zip(joined.split(ctx.widths, dim=-1), grads):
-            if grad is None:  # a feature kind the forward did not read
-                part.zero_()
-            else:
-                part.copy_(grad)
+        on_stream = contextlib.nullcontext() if ctx.stream is None else \
+            torch.get_device_module(ctx.device).stream(ctx.stream)
+        with on_stream:
+            joined = torch.empty(ctx.rows, sum(ctx.widths), dtype=ctx.dtype, device=ctx.device)
+            for part, grad in zip(joined.split(ctx.widths, dim=-1), grads):
+                if grad is None:  # a feature kind the forward did not read
+                    part.zero_()
+                else:
+                    part.copy_(grad)
         HOST_CHECKPOINTS.counts.unparked += 1
         return joined, None
 
@@ -637,7 +644,8 @@ def park_features(joined: torch.Tensor, widths: list[int]) -> list[torch.Tensor]
     parked = list(_ParkedFeatures.apply(joined, list(widths)))
     if HOST_FEATURES.observers:
         for tensor in parked:
-            tensor.register_hook(_observed)
+            if tensor.requires_grad:  # a frozen tower's features have no gradient to report
+                tensor.register_hook(_observed)
     return parked
 
 

@@ -98,6 +98,13 @@ def merger_elements(d: ModelDims) -> float:
     return (1 + d.deepstack) * 3 * d.vision_width + d.vision_width
 
 
+def mlp_tiles_act(t: Training, size: int) -> bool:
+    """Whether the decoder's and tower's MLPs run in tiles (`tiles.run_in_tiles`): the switch on, under CP, or at
+    P = 1 where a size is set (`VLMCP_MLP_TILE_TOKENS=N`) — not under ZeRO-3 at P = 1, which gathers an MLP one
+    linear at a time there (the package makes it a leaf module under CP only: it then runs whole)."""
+    return t.tiled_mlp and (size > 1 or (t.mlp_tile_tokens is not None and t.sharding != "zero3"))
+
+
 def vision_tile(d: ModelDims, t: Training, patches: int, size: int) -> int:
     """Patches of one tile of the vision tower over a rank's `patches` (the package's rule,
     `vision_tiles.tile_patches`: automatic, or `t.vision_tile_patches`; a share of one tile is that tile: the package
@@ -215,7 +222,7 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     att += 0.0 if recomputed else norms["attention"]
     dn += norms["gated"] + (0.0 if recomputed else norms["deltanet"]) if dn else 0.0
     vis, mergers = (vision_elements(d), merger_elements(d)) if d.vision_depth else (0.0, 0.0)
-    tiled = t.tiled_mlp and (size > 1 or t.mlp_tile_tokens is not None)  # a size set acts at P = 1 too
+    tiled = mlp_tiles_act(t, size)
     mlp = 4 * d.intermediate  # the decoder MLP's intermediates per token: alive in its recompute (or one tile's)
     if tiled:  # the MLPs' intermediates (4 I per token, 2 I_v per patch) are kept per tile, or not at all
         keep = (mlp_share(local, d.hidden, 4 * d.intermediate, tiled, t.mlp_tile_tokens)
@@ -337,15 +344,18 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     m.rotary = rotary_bytes(d, t, local)
     m.host_pool = checkpoint_pool_bytes(m.host)
     m.host_batch = batch_host_bytes(d, row, size)
-    m.host_features = b * features if parked else 0.0
+    # parked: the features on the host, and while stock's forward prepares the decoder's inputs its own host copy of
+    # each deepstack level (transformers 5.18+ joins each level's one-item tuple: `torch.cat`), gone when the decoder
+    # reads the parked levels (`vision.use_the_routed_deepstack_levels`); in backward their gradients, as many bytes
+    m.host_features = b * (features + d.deepstack * vision_local * d.hidden) if parked else 0.0
     return m
 
 
 def parks_features(t: Training, size: int) -> bool:
     """Whether the step prices the slice's vision features parked on the host (`offload.park_features`): set so
-    (`t.park_features`; `table.plan` sets it where the row needs it), with the checkpoint offload on, under CP (the
-    CP vision path parks them)."""
-    return bool(t.park_features) and t.offload_checkpoints and size > 1
+    (`t.park_features`: as `VLMCP_OFFLOAD_FEATURES=1`, or `table.plan` / by need where the row needs it), under CP
+    (the CP vision path parks them)."""
+    return bool(t.park_features) and size > 1
 
 
 def may_park_features(t: Training, size: int) -> bool:

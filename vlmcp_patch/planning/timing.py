@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .dims import ModelDims
 from .hardware import Hardware
 from .layouts import replicated
-from .memory import parks_features, vision_tile
+from .memory import mlp_tiles_act, parks_features, vision_tile
 from .rows import Row
 from .training import Training
 
@@ -111,8 +111,7 @@ def step_time(d: ModelDims, row: Row, t: Training, hw: Hardware, size: int, ulys
     fixed size. With checkpointing the forward exchanges run twice."""
     b, ring = t.bytes_per_value, size // ulysses
     patches = math.ceil(row.patches(d) / size)
-    tiled = t.tiled_mlp and (size > 1 or t.mlp_tile_tokens is not None)  # a size set acts at P = 1 too
-    flops = step_flops(d, row, t, tiled=tiled, vision_tiled=vision_tile(d, t, patches, size) > 0)
+    flops = step_flops(d, row, t, tiled=mlp_tiles_act(t, size), vision_tiled=vision_tile(d, t, patches, size) > 0)
     attention_s = flops["attention"] / hw.attention_tflops / 1e12 / size
     if compute_s is None:
         compute_s = (flops["matmul"] / hw.matmul_tflops + flops["deltanet"] / hw.deltanet_tflops) / 1e12 / size
