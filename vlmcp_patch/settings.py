@@ -13,7 +13,7 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_LOSS_CHUNK` | `loss_chunk_tokens` | auto | tokens per chunk of the chunked LM head + loss under CP (auto: by need) |
 | `VLMCP_MLP_TILE_TOKENS` | `mlp_tile_tokens` | auto | tokens per tile of the MLPs (`tiles.py`; auto: by need under CP; on: always, sized automatically; 0: off) |
 | `VLMCP_RECOMPUTE_NORMS` | `recompute_norms` | auto | the RMSNorms keep their input only (`tiles.py`; auto: by need under CP; 1 / 0) |
-| `VLMCP_VISION_TILE_PATCHES` | `vision_tile_patches` | auto | patches per tile of the vision tower under CP (`vision_tiles.py`; auto: by need; on; 0: off) |
+| `VLMCP_VISION_TILE_PATCHES` | `vision_tile_patches` | auto | patches per tile of the vision tower (`vision_tiles.py`; auto: by need under CP; on / N: at any P; 0: off) |
 | `VLMCP_DEVICE_MEMORY_GIB` | `device_memory_gib` | the device's | GiB a rank's step may use, for the choice by need (`by_need.py`; on CPU: none, no limit) |
 | `VLMCP_OFFLOAD_CHECKPOINTS` | `offload_checkpoints` | off | the layers' checkpoints kept on the host (`offload.py`) |
 | `VLMCP_OFFLOAD_FEATURES` | `offload_features` | auto | under CP the vision features wait on the host between tower and decoder (`offload.park_features`; auto: by need with the checkpoint offload on; 1 / 0) |
@@ -112,11 +112,11 @@ class Settings:
     # copies transformers' norms keep are most of a bf16 layer's working set after the MLP's. AUTO: under CP when
     # the row needs it (`by_need.py`); True: always, at P=1 too; False: never. Exact either way.
     recompute_norms: bool | str = AUTO
-    # Patches per tile of the vision tower under CP, by items (`vision_tiles.py`): the rank's images and temporal
+    # Patches per tile of the vision tower, by items (`vision_tiles.py`): the rank's images and temporal
     # patch groups run through the whole tower in tiles of whole groups, only the merged and deepstack features kept,
     # each tile recomputed in backward. AUTO sizes them from the rank's patches and the tower's widths
-    # (`vision_tiles.tile_patches`); 0 runs the tower untiled. AUTO: when the row needs it (`by_need.py`); ON or N:
-    # always. Exact either way; CP off never tiles.
+    # (`vision_tiles.tile_patches`); 0 runs the tower untiled. AUTO: under CP when the row needs it (`by_need.py`);
+    # ON or N: always, at P=1 too (each call's items). Exact either way; the P=1 default never tiles.
     vision_tile_patches: int | str = AUTO
     # Under CP and P=1 alike: the inputs gradient checkpointing saves for each decoder layer and vision block wait in
     # host memory between forward and backward (`offload.py`). Exact: the same values come back.
