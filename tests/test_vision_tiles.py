@@ -215,12 +215,12 @@ def test_a_switch_that_is_on_tiles_every_share_even_of_one_tile(setting, tiled, 
     share makes one tile (so the vision gradients arrive in one order whatever the row); off (or `auto` with nothing
     chosen), none does."""
     import vlmcp_patch
-    from vlmcp_patch.vision_tiles import group_tiles
+    from vlmcp_patch.vision_tiles import tiling_applies
 
     model, _ = _model_and_batch("qwen3_vl", False, VIDEO_GROUPS)
     vlmcp_patch.enable(cp_size=1, vision_tile_patches=setting)
     try:
-        assert group_tiles(model.model.visual, [[(1, 4, 4)], [(1, 4, 4)]]) is tiled
+        assert tiling_applies(model.model.visual) is tiled
     finally:
         vlmcp_patch.enable(vision_tile_patches="auto")
 

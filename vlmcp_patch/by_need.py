@@ -186,16 +186,22 @@ def margin() -> float:
 
 
 def agreed_room(room: float | None, cp, device: torch.device) -> float | None:
-    """The smallest room of the CP group (None on every rank where none knows a limit): one all-reduce of one number,
-    through the package's collective wrapper, on `device` (the model's: NCCL reduces device tensors only)."""
+    """The smallest room of the CP group (None on every rank where none knows a limit): one all-reduce of one number
+    (`all_reduced`)."""
+    least = math.inf if room is None else room
+    if cp.group is not None and cp.size > 1:
+        (least,) = all_reduced([least], dist.ReduceOp.MIN, cp.group, device)
+    return None if math.isinf(least) else least
+
+
+def all_reduced(values: list[float], op, group, device: torch.device) -> list[float]:
+    """`values` reduced with `op` over `group`, through the package's collective wrapper, on `device` (the batch's:
+    NCCL reduces device tensors only)."""
     from .collectives.communication import communicate
 
-    value = torch.tensor([math.inf if room is None else room], dtype=torch.float64, device=device)
-    if cp.group is not None and cp.size > 1:
-        communicate("all-reduce", cp.group, 1,
-                    lambda: dist.all_reduce(value, op=dist.ReduceOp.MIN, group=cp.group))
-    least = float(value[0])
-    return None if math.isinf(least) else least
+    flags = torch.tensor(values, dtype=torch.float64, device=device)
+    communicate("all-reduce", group, flags.numel(), lambda: dist.all_reduce(flags, op=op, group=group))
+    return flags.tolist()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -315,15 +321,10 @@ def agreed_over_replicas(switches: Switches, refused: bool, device: torch.device
 
 def max_over_world(values: list[float], device: torch.device) -> list[float]:
     """The MAX of `values` over every rank of the world (`distributed.world_group`: a group of its own, so it never
-    interleaves with the wrappers' gradient reductions), through the package's collective wrapper, on `device`."""
-    from .collectives.communication import communicate
+    interleaves with the wrappers' gradient reductions; `all_reduced`)."""
     from .distributed import world_group
 
-    flags = torch.tensor(values, dtype=torch.float64, device=device)
-    group = world_group()
-    communicate("all-reduce", group, flags.numel(),
-                lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group))
-    return flags.tolist()
+    return all_reduced(values, dist.ReduceOp.MAX, world_group(), device)
 
 
 def fit_the_union(dims, row, base, size: int, ulysses: int, room: float | None,
@@ -343,22 +344,25 @@ def fit_the_union(dims, row, base, size: int, ulysses: int, room: float | None,
     return sets[-1], peak, False
 
 
+def _replica(replica: int, size: int) -> str:
+    """A data-parallel replica and its ranks (blocks of P consecutive ranks), for the messages."""
+    return f"replica {replica} (ranks {replica * size}..{(replica + 1) * size - 1})"
+
+
 def union_does_not_fit(replica: int, size: int, union: Switches, peak: float | None, room: float | None) -> str:
-    first = replica * size
     where = (f": {size_text(peak)} for the step against {size_text(room)} free after the margin"
              if peak is not None and room is not None else "")
     together = ", ".join(LABELS[n] for n in ORDERED if getattr(union, n)) or "none"
     return (f"the switches every data-parallel replica must run together ({together}: their union, so that the "
-            f"replicas' gradients arrive in one order) do not fit the row of replica {replica} (ranks {first}..{first + size - 1}){where}. Every replica stops before compute. Set the "
-            "switches the same on every replica (VLMCP_MLP_TILE_TOKENS, VLMCP_RECOMPUTE_NORMS, "
-            "VLMCP_VISION_TILE_PATCHES), give that replica rows the switches suit, or raise P.")
+            f"replicas' gradients arrive in one order) do not fit the row of {_replica(replica, size)}{where}. Every "
+            "replica stops before compute. Set the switches the same on every replica (VLMCP_MLP_TILE_TOKENS, "
+            "VLMCP_RECOMPUTE_NORMS, VLMCP_VISION_TILE_PATCHES), give that replica rows the switches suit, or raise P.")
 
 
 def another_replica_refused(replica: int, size: int) -> str:
-    first = replica * size
-    return (f"the row of data-parallel replica {replica} (ranks {first}..{first + size - 1}) does not fit the device "
-            "(its ranks raise with the longest row that fits and what would fit it): every replica stops before "
-            "compute, as its gradients would be reduced with this replica's")
+    return (f"the row of data-parallel {_replica(replica, size)} does not fit the device (its ranks raise with the "
+            "longest row that fits and what would fit it): every replica stops before compute, as its gradients "
+            "would be reduced with this replica's")
 
 
 def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | None:
@@ -398,9 +402,8 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
     if refused_replica is not None:
         raise UnsupportedSetupError(another_replica_refused(refused_replica, ctx.cp.size))
     if torch.is_grad_enabled() and data_parallel_world_size() > 1:
-        switches = check_the_union_fits(dims, row, base, ctx, room, own, switches, device)
+        switches, peak = check_the_union_fits(dims, row, base, ctx, room, own, switches, peak, device)
     if switches != own:
-        peak = predicted_peak(dims, row, _with(base, switches), ctx.cp.size, split.ulysses)
         added = ", ".join(LABELS[n] for n in switches.on() if n not in own.on())
         why = (f"{why}; {added} on as another replica's row needs them (the replicas' gradients are reduced "
                "together, in one order)")
@@ -414,14 +417,15 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
     return choice
 
 
-def check_the_union_fits(dims, row, base, ctx, room: float | None, own: Switches, union: Switches,
-                         device: torch.device) -> Switches:
-    """This replica's switches under the replicas' union (`fit_the_union`), or `UnsupportedSetupError` on every rank
-    of every replica when the union fits some replica's row nowhere: one more MAX over the world (1 + the index of a
-    replica that overflows), issued by every rank after the agreement, whether its own set changed or not."""
+def check_the_union_fits(dims, row, base, ctx, room: float | None, own: Switches, union: Switches, own_peak: float,
+                         device: torch.device) -> tuple[Switches, float]:
+    """(this replica's switches under the replicas' union, their predicted peak) (`fit_the_union`; `own` and
+    `own_peak` where the union adds nothing), or `UnsupportedSetupError` on every rank of every replica when the union
+    fits some replica's row nowhere: one more MAX over the world (1 + the index of a replica that overflows), issued
+    by every rank after the agreement, whether its own set changed or not."""
     from .distributed import data_parallel_rank
 
-    switches, peak, fits = (own, None, True) if union == own else \
+    switches, peak, fits = (own, own_peak, True) if union == own else \
         fit_the_union(dims, row, base, ctx.cp.size, ctx.split.ulysses, room, union)
     (overflow,) = max_over_world([0.0 if fits else data_parallel_rank() + 1.0], device)
     if overflow:
@@ -429,7 +433,7 @@ def check_the_union_fits(dims, row, base, ctx, room: float | None, own: Switches
         mine = replica == data_parallel_rank()
         raise UnsupportedSetupError(union_does_not_fit(replica, ctx.cp.size, union, peak if mine else None,
                                                        room if mine else None))
-    return switches
+    return switches, peak
 
 
 def _dims(model, dims_from_config):

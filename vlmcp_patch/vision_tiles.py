@@ -41,7 +41,7 @@ that holds FSDP2 units (the newest Accelerate's policy wraps its blocks) runs un
 collectives on different ranks). A tower inside one FSDP2 unit (Accelerate 1.11 wraps it with the root) is gathered
 whole with that unit, and tiles.
 
-A switch that is on always takes the tiled function (`group_tiles`), even for one tile: every rank of a CP group runs
+A switch that is on always takes the tiled function (`tiling_applies`), even for one tile: every rank of a CP group runs
 its share through it, in one tile if that is all it makes (a rank with nothing to encode: its placeholder as one
 tile), and so does every data replica. The vision parameters' gradients then arrive in an order set by the switch
 alone, never by a rank's row — ZeRO-2 packs gradients into its buckets in the order they arrive and reduces the
@@ -227,14 +227,6 @@ def _tiles_of(config, units: Sequence[tuple[int, int, int]]) -> list[Tile]:
     return plan_tiles(units, budget, config.spatial_merge_size**2)
 
 
-def group_tiles(tower, shares: Sequence[Sequence[tuple[int, int, int]]]) -> bool:
-    """Whether the group runs the tower in tiles: whenever tiling applies, on every rank, whatever its share makes
-    (`shares[r]`: rank r's units [(frames, height, width)]) — one tile goes through the tiled function too, so the
-    vision parameters' gradients arrive in an order set by the switch alone, never by the row (module docstring). The
-    shares no longer decide; the argument stays for the caller (`forward/vision.encode_items`)."""
-    return tiling_applies(tower)
-
-
 # The keyword argument with which `forward/vision.encode_items` asks the tower's patched forward for its share's joined
 # features in tiles (popped there: the stock forward never sees it).
 TILES_KWARG = "vlmcp_vision_tiles"
@@ -244,7 +236,7 @@ def encode_in_tiles(tower, pixels: torch.Tensor, units: Sequence[tuple[int, int,
                     encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                     anchor: torch.Tensor | None = None) -> torch.Tensor:
     """The joined features (merged tokens, features) of a share by items — `pixels` (patches, width) its rows,
-    `units` [(frames, height, width)] its grid — computed in tiles (one if that is all it makes: `group_tiles`
+    `units` [(frames, height, width)] its grid — computed in tiles (one if that is all it makes: `tiling_applies`
     decides for the group); `encode(pixels, grid_thw)` runs the tower's unhooked forward and returns the joined
     features; `anchor`: a ZeRO-3 leaf tower's (`vision_in_tiles`). Called inside the tower's call (module docstring).
     `pixels` may be on the host (the integrations leave them there under CP): each tile's rows go to the tower's

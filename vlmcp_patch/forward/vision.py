@@ -55,7 +55,7 @@ from ..offload import park_features, parks_features
 from ..sharding import zero3_leaf
 from ..stats import STATS
 from ..supported import family_of
-from ..vision_tiles import TILES_KWARG, Tied, encode_in_tiles, group_tiles, tiles_whole_call, tower_placement
+from ..vision_tiles import TILES_KWARG, Tied, encode_in_tiles, tiles_whole_call, tiling_applies, tower_placement
 from .arguments import call_arguments
 
 # Keyword arguments that precompute per-patch tables for the whole batch: under CP each rank computes those of
@@ -121,9 +121,9 @@ def encode_items(tower, pixels: torch.Tensor, grid: torch.Tensor, share: VisionS
                  kwargs: dict) -> tuple[object, torch.Tensor]:
     """(tower output, joined features) of this rank's whole items and temporal groups (module docstring)."""
     placement = tower_placement(tower)
-    # the tower in tiles (`vision_tiles.py`) on every rank or on none: only the features are kept
-    tiled = _TiledOutput() if group_tiles(tower, [share.local_grid(r, "cpu").tolist()
-                                                  for r in range(cp.size)]) else None
+    # the tower in tiles (`vision_tiles.py`) on every rank or on none, whatever its share makes (the switch decides,
+    # one tile included): only the features are kept
+    tiled = _TiledOutput() if tiling_applies(tower) else None
     if share.mine(cp.rank):
         rows = share_rows_in(pixels, share, cp.rank)
         # in tiles each tile's rows are moved when it runs (`encode_in_tiles`); pixels that need a gradient are
@@ -249,8 +249,8 @@ def features_of_slice(tower, pixels: torch.Tensor, grid: torch.Tensor, tokens: t
 
 def _split_joined(out, joined: torch.Tensor, deepstack_per_item: bool):
     """The tower's output class holding `joined`'s columns as one item: the merged features and each deepstack
-    level (each level a one-item tuple where the installed release splits them per item). With the checkpoint
-    offload on they are host copies (`offload.park_features`), else views of `joined`."""
+    level (each level a one-item tuple where the installed release splits them per item). Where the features wait on
+    the host (`offload.parks_features`) they are host copies (`offload.park_features`), else views of `joined`."""
     widths = [f.shape[-1] for f in _features(out)]
     merged, *levels = park_features(joined, widths) if parks_features() else joined.split(widths, dim=-1)
     fields = {"pooler_output": (merged,)}

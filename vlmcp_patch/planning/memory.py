@@ -108,7 +108,7 @@ def mlp_tiles_act(t: Training, size: int) -> bool:
 def vision_tile(d: ModelDims, t: Training, patches: int, size: int) -> int:
     """Patches of one tile of the vision tower over a rank's `patches` (the package's rule,
     `vision_tiles.tile_patches`: automatic, or `t.vision_tile_patches`; a share of one tile is that tile: the package
-    takes the tiled function whenever the switch is on, `vision_tiles.group_tiles`); 0 when the tower runs untiled:
+    takes the tiled function whenever the switch is on, `vision_tiles.tiling_applies`); 0 when the tower runs untiled:
     tiling off, CP off without a size set (`VLMCP_VISION_TILE_PATCHES=N` acts at P = 1 too), FSDP (which gathers
     the tower module by module: the package runs it whole), ZeRO-3 at P = 1 (a leaf module under CP only). ZeRO-3
     under CP tiles: the package makes the tower a ZeRO-3 leaf, gathered whole once per call
