@@ -75,6 +75,8 @@ def run_vision_tile_cases(rank: int, world_size: int) -> dict:
 def run_every_item_in_tiles(rank: int, world_size: int) -> dict:
     """With vision data parallelism off (every rank encodes every item) and tiles of 16 patches: parity metrics
     (`parity.compare`), and the tower tiles this rank ran."""
+    import torch
+
     import vlmcp_patch
     from tests.helpers.parity import compare
     from vlmcp_patch.vision_tiles import VISION_TILES
@@ -82,6 +84,8 @@ def run_every_item_in_tiles(rank: int, world_size: int) -> dict:
     vlmcp_patch.enable(vision_tile_patches=16, vision_dp=False)
     try:
         model, batch = _model_and_batch("qwen3_vl", True, VIDEO_GROUPS)
+        if stock_cuts_this_row(batch, True):  # an all-ones mask: stock's reference then attends over the whole row
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
         VISION_TILES.drain()
         metrics = compare(model, batch, world_size)
         metrics["tiles"] = VISION_TILES.drain()
