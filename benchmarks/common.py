@@ -118,11 +118,12 @@ SAMPLES = {
 
 
 def real_image_processor(patch_size: int = 16):
-    from transformers import Qwen2VLImageProcessorPil
+    """The real Qwen2-VL PIL image processor for a released vision tower of `patch_size` (merge 2, temporal 2)."""
+    from vlmcp_patch.fixtures.data import pil_image_processor
 
     factor = 2 * patch_size
-    return Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
-                                    size={"shortest_edge": factor * factor, "longest_edge": 2048 * factor * factor})
+    return pil_image_processor(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+                               size={"shortest_edge": factor * factor, "longest_edge": 2048 * factor * factor})
 
 
 def packed_sample(name: str) -> dict:
