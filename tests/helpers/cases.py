@@ -155,6 +155,14 @@ def stock_cuts_this_row(batch: dict, checkpointing) -> bool:
             and batch["input_ids"].shape[0] == 1)
 
 
+def masked_where_stock_cuts(batch: dict, checkpointing) -> dict:
+    """`batch`, given an all-ones attention mask where stock cuts it at its images (`stock_cuts_this_row`): stock's
+    reference then attends over the whole row, as CP and stock on other releases do."""
+    if stock_cuts_this_row(batch, checkpointing):
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    return batch
+
+
 def towers_take_patch_tables() -> bool:
     """Whether the installed transformers' vision towers take the per-patch tables (5.15 on), and so encode slices
     of all items' patches under CP (`forward/vision.py`)."""

@@ -89,6 +89,12 @@ def _model(checkpointing: bool = False, family: str = "qwen3_vl"):
     return model
 
 
+def _row(layout, checkpointing: bool) -> dict:
+    from tests.helpers.cases import masked_where_stock_cuts
+
+    return masked_where_stock_cuts(make_batch(layout, seed=7), checkpointing)
+
+
 def _step(model, batch: dict) -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
     loss = model(**batch).loss
@@ -112,16 +118,17 @@ def run_raw_loop(rank: int, world_size: int, layout=FOUR_IMAGES, cut: bool = Tru
 
     vlmcp_patch.enable(cp_size=world_size, host_pixel_shares=cut, vision_tile_patches=tiles)
     try:
-        model = _model(tiles != "auto", family)
-        facts = pixel_bound(make_batch(layout, seed=7), world_size)
+        checkpointing = tiles != "auto"
+        model = _model(checkpointing, family)
+        facts = pixel_bound(_row(layout, checkpointing), world_size)
         vlmcp_patch.revert()
         try:
-            ref_loss, ref_grads = _step(model, make_batch(layout, seed=7))
+            ref_loss, ref_grads = _step(model, _row(layout, checkpointing))
         finally:
             vlmcp_patch.apply()
         probe = PixelBytesProbe(model)
         VISION_TILES.drain()
-        batch = vlmcp_patch.batch_to_device(make_batch(layout, seed=7), torch.device("cpu"))
+        batch = vlmcp_patch.batch_to_device(_row(layout, checkpointing), torch.device("cpu"))
         loss, grads = _step(model, batch)
         tiles_run = VISION_TILES.drain()
         probe.remove()
@@ -130,7 +137,7 @@ def run_raw_loop(rank: int, world_size: int, layout=FOUR_IMAGES, cut: bool = Tru
     worst, _ = gradient_errors(summed_over_group(grads, get_cp_group().group), ref_grads)
     return {**facts, "alive": probe.most, "loss_error": rel_err(torch.tensor(loss), torch.tensor(ref_loss)),
             "grad_error": max(worst.values()), "same_params": sorted(grads) == sorted(ref_grads),
-            "tiles": tiles_run, "held_rows": _pixel_rows(batch), "rows": _pixel_rows(make_batch(layout, seed=7))}
+            "tiles": tiles_run, "held_rows": _pixel_rows(batch), "rows": _pixel_rows(_row(layout, checkpointing))}
 
 
 def _pixel_rows(batch: dict) -> int:

@@ -4,7 +4,7 @@ several, against stock at P=1."""
 
 from __future__ import annotations
 
-from tests.helpers.cases import FAMILIES, stock_cuts_this_row
+from tests.helpers.cases import FAMILIES, masked_where_stock_cuts, stock_cuts_this_row
 from vlmcp_patch.fixtures.data import Segment as S
 from vlmcp_patch.fixtures.data import make_batch
 from vlmcp_patch.fixtures.models import build_model
@@ -75,8 +75,6 @@ def run_vision_tile_cases(rank: int, world_size: int) -> dict:
 def run_every_item_in_tiles(rank: int, world_size: int) -> dict:
     """With vision data parallelism off (every rank encodes every item) and tiles of 16 patches: parity metrics
     (`parity.compare`), and the tower tiles this rank ran."""
-    import torch
-
     import vlmcp_patch
     from tests.helpers.parity import compare
     from vlmcp_patch.vision_tiles import VISION_TILES
@@ -84,8 +82,7 @@ def run_every_item_in_tiles(rank: int, world_size: int) -> dict:
     vlmcp_patch.enable(vision_tile_patches=16, vision_dp=False)
     try:
         model, batch = _model_and_batch("qwen3_vl", True, VIDEO_GROUPS)
-        if stock_cuts_this_row(batch, True):  # an all-ones mask: stock's reference then attends over the whole row
-            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        batch = masked_where_stock_cuts(batch, True)
         VISION_TILES.drain()
         metrics = compare(model, batch, world_size)
         metrics["tiles"] = VISION_TILES.drain()
