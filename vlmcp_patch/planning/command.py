@@ -94,6 +94,10 @@ def main(argv=None) -> int:
     hw.add_argument("--ring-hidden", type=float,
                     help=f"share of the ring's transfer that overlap hides (default {GPUS['h100'].ring_hidden:g}, "
                     "measured on CPU: docs/speed.md)")
+    tr.add_argument("--collation", choices=["whole", "share"], default="whole",
+                    help="how the data loader brings the pixel values to the host while the step runs: every rank "
+                    "decodes the whole row, then keeps its share (whole, today's loaders), or only its share (share: "
+                    "docs/memory.md's way out, not built)")
     tr.add_argument("--chosen-only", action="store_true", help="only the package's layout at each P")
     tr.add_argument("--longest", action="store_true",
                     help="print only the longest row (video for a model with vision, else text) on one node of "
@@ -111,7 +115,8 @@ def main(argv=None) -> int:
                         offload_optimizer=a.offload_optimizer, freeze_vision=a.freeze_vision,
                         ring_overlap=a.ring_overlap, offload_checkpoints=a.offload_checkpoints,
                         tiled_mlp=a.tiled_mlp, tiled_vision=a.tiled_vision, recompute_norms=a.recompute_norms,
-                        mlp_tile_tokens=a.mlp_tile_tokens, vision_tile_patches=a.vision_tile_patches)
+                        mlp_tile_tokens=a.mlp_tile_tokens, vision_tile_patches=a.vision_tile_patches,
+                        collation=a.collation)
     rates = {k: getattr(a, k) for k in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs",
                                          "ib_gbs", "ring_hidden")}
     rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None

@@ -111,6 +111,18 @@ def batch_host_bytes(d: ModelDims, row: Row, size: int) -> float:
     return BATCH_INT_BYTES * row.tokens + PIXEL_BYTES * d.patch_values * share
 
 
+def collation_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole") -> float:
+    """Host bytes one rank of a CP group of `size` holds while its data loader collates the next row: every item it
+    decodes and the joined pixel tensor, twice the pixel values it decodes, in the data loader's dtype (docs/memory.md,
+    "what the data loader still materialises"). `collation` "whole": it decodes the whole row (today's loaders: the
+    cut comes after the collator); "share": only its share (`batch_host_bytes`' rule). Priced beside the step's own
+    host bytes: a loader's workers collate while the step runs."""
+    if collation not in ("whole", "share"):
+        raise ValueError(f"collation {collation!r}: whole or share")
+    pixels = batch_host_bytes(d, row, size if collation == "share" else 1) - BATCH_INT_BYTES * row.tokens
+    return 2.0 * pixels
+
+
 def allowance_bytes(ranks: int, node_gib: float) -> float:
     """The node's host bytes not priced part by part: `HOST_GIB_PER_RANK` per rank and `HOST_NODE_SHARE` of the
     node."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dims import model_dims
-from .hardware import Hardware, hardware
+from .hardware import GIB, Hardware, hardware
 from .rows import Row
 from .table import PlanRow, plan
 from .training import Training
@@ -76,9 +76,12 @@ def longest_lines(model, kind: str, training: Training, gpus_per_node: int = 8, 
         copies = (f"; copies {tm.offload_copies:.1f} s of which {tm.offload:.1f} s exposed"
                   if training.offload_checkpoints else "")
         copies += "; vision features on the host (the row needs it)" if r.memory.host_features else ""
+        collating = r.memory.host_collation * gpus_per_node / GIB
+        decoding = "the whole row" if training.collation == "whole" else "its share"
+        collation = f" ({collating:,.0f} collating the next row, each rank decoding {decoding})" if collating else ""
         lines.append(f"longest {kind} row on {name}: {best.tokens:,} tokens ({best.tokens / 2**20:.2f}M) at U x R "
                      f"{r.ulysses} x {r.ring}; device {r.peak_gib:.1f} of {r.device_budget_gib:.1f} GiB per GPU "
                      f"(usable less a {margin:.0%} margin); host {r.host_gib_per_node:,.0f} of "
-                     f"{r.host_budget_gib:,.0f} GiB per node; {best.binds} binds; step {tm.total:.0f} s{copies}; "
-                     f"ALST (Llama-8B, 8 H100): {ALST_LONGEST / 1e6:.1f}M")
+                     f"{r.host_budget_gib:,.0f} GiB per node{collation}; {best.binds} binds; step {tm.total:.0f} s"
+                     f"{copies}; ALST (Llama-8B, 8 H100): {ALST_LONGEST / 1e6:.1f}M")
     return lines

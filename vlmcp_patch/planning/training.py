@@ -48,6 +48,11 @@ class Training:
     # None: where the row needs it to fit the device, as the package decides by need (`table.plan`); True / False:
     # as set
     park_features: bool | None = None
+    # how the data loader brings the row's pixel values to the host (`host.collation_host_bytes`): "whole", every
+    # rank of the group decodes and collates the whole row, then keeps its share (what data loaders do with the
+    # package today); "share", each rank decodes and collates only its share (docs/memory.md's way out, not built:
+    # priced to show what it would fit)
+    collation: str = "whole"
 
 
 @dataclass(frozen=True)
