@@ -36,9 +36,10 @@ def test_a_kernelized_layer_runs_as_stock_with_cp_off_and_is_refused_on_the_pack
 
 def test_a_kernelized_conv_runs_on_the_cp_path_exactly(results):
     """The conv kernelized, the layer left to kernelize's fallback (the class's forward bound on the instance: the
-    control of the refusal above, which runs)."""
+    control of the refusal above, which runs); up to 5.14, where kernelize reaches neither, the conv kernel the layer
+    keeps on itself (causal-conv1d's, tests/helpers/kernelize_cases.py)."""
     for rank, res in enumerate(results):
-        assert res["fallback_bound"] and res["conv_replaced"], (rank, res["mechanism"])
+        assert res["conv_installed"], (rank, res["conv_mechanism"])
         assert res["conv_p1_err"] <= 1e-5, rank
         conv = res["conv"]
         assert conv["error"] is None, (rank, conv)

@@ -13,6 +13,12 @@ would (`replace_kernel_forward_from_hub`, `use_kernel_forward_from_hub`, `_kerne
 `kernels.kernelize` itself, with a mapping to an in-process repository that loads the CPU stand-in kernels below (no
 hub); with 0.19 or later (transformers decorated the classes itself, each layer with private function wrappers) and
 without `kernels` they replace the forwards exactly as kernelize does.
+
+Up to 5.14 transformers marks neither the layer nor its conv for kernelize: the layer keeps its conv on itself
+(`layer.causal_conv1d_fn`, causal-conv1d's function where that package is installed, else None), set at its
+construction and called with causal-conv1d's keywords (`x=`). There the conv stand-in is put where that release's
+layer calls it, as an installed causal-conv1d puts its function, with causal-conv1d's signature; the whole layer is
+still replaced as kernelize would replace it, which the package refuses the same way on every release.
 """
 
 from __future__ import annotations
@@ -77,12 +83,24 @@ def _bind(module, layer_class):
     module.forward = MethodType(layer_class.forward, module)  # kernels' `_replace_forward`
 
 
+def keeps_conv_on_layer(model) -> bool:
+    """Whether the installed release's DeltaNet layer calls the conv it keeps on itself (up to 5.14), not its modeling
+    module's kernel wrapper: the package's own declaration (`models/qwen3_5.py`)."""
+    from vlmcp_patch.models.qwen3_5 import _keeps_kernels_on_layer
+
+    return _keeps_kernels_on_layer(type(_layers(model)[0]))
+
+
 def mark_as_transformers_does(model) -> None:
     """What transformers' decorators do with `kernels>=0.19.1` installed: the layer class marked for kernelize, the
-    module-level conv an nn.Module kernelize can replace, listed in each layer's `_kernel_funcs`."""
+    module-level conv an nn.Module kernelize can replace, listed in each layer's `_kernel_funcs`. Up to 5.14 the
+    module-level conv is causal-conv1d's function or None, which no release wraps: it stays as it is."""
     kernels, modeling = _kernels(), _modeling(model)
     layer_class = type(_layers(model)[0])
-    if not isinstance(modeling.causal_conv1d_fn, torch.nn.Module):
+    if keeps_conv_on_layer(model):
+        if kernels is not None:
+            kernels.replace_kernel_forward_from_hub(layer_class, "Qwen3_5GatedDeltaNet")
+    elif not isinstance(modeling.causal_conv1d_fn, torch.nn.Module):
         func = modeling.causal_conv1d_fn
         if kernels is not None:
             kernels.replace_kernel_forward_from_hub(layer_class, "Qwen3_5GatedDeltaNet")
@@ -113,17 +131,51 @@ class HubDeltaNet(torch.nn.Module):
         return getattr(stock, "vlmcp_original", stock)(self, hidden_states, **kwargs)
 
 
+def _padded_causal_conv(x, weight, bias, activation):
+    """The depthwise causal conv (B, C, T) -> (B, C, T), computed another way than stock's (explicit left padding)."""
+    CALLS["conv"] += 1
+    padded = F.pad(x.to(weight.dtype), (weight.shape[-1] - 1, 0))
+    out = F.conv1d(padded, weight.unsqueeze(1), bias, groups=x.shape[1])
+    out = F.silu(out) if activation in ("silu", "swish") else out
+    return out.to(x.dtype)
+
+
 class HubCausalConv(torch.nn.Module):
-    """A stand-in hub kernel for `causal_conv1d_fn`: the same depthwise causal conv, computed another way (explicit
-    left padding), with the stock function's signature."""
+    """A stand-in hub kernel for `causal_conv1d_fn` (5.15 on), with the stock function's signature."""
 
     def forward(self, hidden_states, weight, bias=None, activation=None, **kwargs):
-        CALLS["conv"] += 1
-        width = weight.shape[-1]
-        padded = F.pad(hidden_states.to(weight.dtype), (width - 1, 0))
-        out = F.conv1d(padded, weight.unsqueeze(1), bias, groups=hidden_states.shape[1])
-        out = F.silu(out) if activation in ("silu", "swish") else out
-        return out.to(hidden_states.dtype)
+        return _padded_causal_conv(hidden_states, weight, bias, activation)
+
+
+def causal_conv1d_on_the_layer(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                               final_states_out=None, activation=None):
+    """A stand-in for causal-conv1d's `causal_conv1d_fn` as a layer that keeps its conv on itself (up to 5.14) holds
+    it, with causal-conv1d's signature: one sequence per call (`seq_idx` None, as those layers pass it)."""
+    assert seq_idx is None and initial_states is None and not return_final_states, "one whole sequence per call"
+    return _padded_causal_conv(x, weight, bias, activation)
+
+
+def install_conv(model) -> str:
+    """The conv stand-in put where the installed release's layer calls it: kernelize's replacement of the modeling
+    module's conv (5.15 on; the layer left to kernelize's fallback, the class's forward bound on the instance), or,
+    where the layer keeps its conv on itself, that attribute, as an installed causal-conv1d sets it. Returns how."""
+    if keeps_conv_on_layer(model):
+        for layer in _layers(model):
+            layer.causal_conv1d_fn = causal_conv1d_on_the_layer
+        return "on the layer, as causal-conv1d's"
+    mark_as_transformers_does(model)
+    return kernelize(model, {"causal_conv1d_fn": HubCausalConv})
+
+
+def conv_installed(model, how: str) -> bool:
+    """Whether the installed layers call the stand-in, and only it: the control that the CP path runs what they call."""
+    layers = _layers(model)
+    if how.startswith("on the layer"):
+        return all(layer.causal_conv1d_fn is causal_conv1d_on_the_layer and "forward" not in vars(layer)
+                   for layer in layers)
+    bound = vars(_modeling(model).causal_conv1d_fn).get("forward")
+    return (all("forward" in vars(layer) for layer in layers)  # kernelize's fallback: the class's forward, bound
+            and getattr(bound, "__func__", None) is HubCausalConv.forward)
 
 
 def _model():
@@ -190,14 +242,11 @@ def run_kernelize_cases(rank: int, world_size: int) -> dict:
     out["layer"] = _cp_run(model, batch, stock)
     out["layer"]["kernel_calls"] = CALLS["layer"]
 
-    # The conv replaced by a hub kernel, the layer left to kernelize's fallback (its class's forward, after the
-    # import the CP path): the CP path calls the kernel on this rank's heads over the whole row.
+    # The conv replaced by a kernel (`install_conv`), the layer's own forward (after the import the CP path): the CP
+    # path calls the kernel on this rank's heads over the whole row.
     conv_model = _model()
-    mark_as_transformers_does(conv_model)
-    kernelize(conv_model, {"causal_conv1d_fn": HubCausalConv})
-    out["fallback_bound"] = all("forward" in vars(layer) for layer in _layers(conv_model))
-    bound = vars(_modeling(conv_model).causal_conv1d_fn).get("forward")
-    out["conv_replaced"] = getattr(bound, "__func__", None) is HubCausalConv.forward
+    out["conv_mechanism"] = install_conv(conv_model)
+    out["conv_installed"] = conv_installed(conv_model, out["conv_mechanism"])
     vlmcp_patch.enable(cp_size=1)
     out["conv_p1_err"] = _rel(_logits(conv_model, batch), stock)
     vlmcp_patch.enable(cp_size=world_size)
