@@ -129,11 +129,12 @@ EXCHANGES = {
 VISION_BLOCKS = 2  # the tiny vision towers' depth
 
 
-# transformers 5.2 in training without a cache (gradient checkpointing) reads a row's position ids as packed-sequence
-# boundaries when building the causal mask; for one row of images and text without an attention mask, it takes the
-# mRoPE temporal row for them and cuts the row at every image: stock masks the text after an image off the text
-# before it (measured with the package reverted; with the same model in eval mode stock attends over the whole row,
-# and CP equals that). 5.6 builds the mask from the row; the releases between are not run.
+# transformers 5.2 without a cache (`use_cache=False`, or training with gradient checkpointing, which turns the cache
+# off) reads a row's position ids as packed-sequence boundaries when building the causal mask; for one row of images
+# and text without an attention mask, it takes the mRoPE temporal row for them and cuts the row at every image: stock
+# masks the text after an image off the text before it (measured with the package reverted; with a cache, as by
+# default in eval mode, stock attends over the whole row, and CP equals that). 5.6 builds the mask from the row; the
+# releases between are not run.
 STOCK_CUTS_ROWS_AT_IMAGES = Version(transformers.__version__) < Version("5.3")
 ONE_ROW_OF_IMAGES_CHECKPOINTED = {("qwen3_vl", "grad_checkpointing"), ("qwen3_vl", "grad_checkpointing_reentrant"),
                                   ("qwen3_vl", "moe_grad_checkpointing"), ("qwen3_5", "vision_grad_checkpointing"),
@@ -147,18 +148,18 @@ def stock_cuts_the_row(family: str, case: str) -> bool:
     return STOCK_CUTS_ROWS_AT_IMAGES and (family, case) in ONE_ROW_OF_IMAGES_CHECKPOINTED
 
 
-def stock_cuts_this_row(batch: dict, checkpointing) -> bool:
-    """The same for any batch: one row with vision inputs and no attention mask, trained with gradient checkpointing,
-    on a release that cuts such a row at its images (above)."""
+def stock_cuts_this_row(batch: dict, without_cache) -> bool:
+    """The same for any batch: one row with vision inputs and no attention mask, run without a cache (`use_cache=False`
+    or gradient checkpointing in training), on a release that cuts such a row at its images (above)."""
     vision = any(batch.get(k) is not None for k in ("pixel_values", "pixel_values_videos"))
-    return (STOCK_CUTS_ROWS_AT_IMAGES and bool(checkpointing) and vision and batch.get("attention_mask") is None
+    return (STOCK_CUTS_ROWS_AT_IMAGES and bool(without_cache) and vision and batch.get("attention_mask") is None
             and batch["input_ids"].shape[0] == 1)
 
 
-def masked_where_stock_cuts(batch: dict, checkpointing) -> dict:
+def masked_where_stock_cuts(batch: dict, without_cache) -> dict:
     """`batch`, given an all-ones attention mask where stock cuts it at its images (`stock_cuts_this_row`): stock's
     reference then attends over the whole row, as CP and stock on other releases do."""
-    if stock_cuts_this_row(batch, checkpointing):
+    if stock_cuts_this_row(batch, without_cache):
         batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     return batch
 
