@@ -63,6 +63,7 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (for checkpoints on GPUs)")
     parser.add_argument("--optim", default="adamw_torch", help="any TrainingArguments.optim, e.g. sgd")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient norm at this")
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--data-format", default="padded", choices=DATA_FORMATS,
                         help="batches of the tiny models: right-padded rows, or the official Qwen3-VL fine-tuning "
@@ -128,6 +129,7 @@ def training_arguments(args, sharded: bool, on_cpu: bool) -> TrainingArguments:
         learning_rate=args.lr,
         bf16=args.bf16,
         optim=args.optim,
+        max_grad_norm=args.max_grad_norm,
         lr_scheduler_type="constant",
         logging_steps=1,
         include_num_input_tokens_seen="non_padding",

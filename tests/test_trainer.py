@@ -2,7 +2,7 @@
 as at P=1 — examples/hf_trainer_sft.py launched as a user would.
 
 The reference is one process at P=1 on the same global batches (SGD with gradient accumulation 2 and
-clipping at 1.0: Adam would turn rounding noise in near-zero gradient elements into full +-lr steps).
+clipping at `CLIP`: Adam would turn rounding noise in near-zero gradient elements into full +-lr steps).
 DeepSpeed and FSDP on CPU are set up as accelerate sets them up on GPUs, and every run reports what really
 wraps the model: a silent fallback to plain DDP cannot pass. Stock two-process controls show the data
 really is sharded there (their weights differ), so the CP parity is not trivial.
@@ -21,7 +21,13 @@ from tests.helpers.harness import ROOT, launch
 from vlmcp_patch.fixtures.compare import state_dict_error
 
 SCRIPT = ROOT / "examples" / "hf_trainer_sft.py"
-COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05"]
+# Below the gradient norm of every step of the tiny models' references on every supported release (Qwen3-VL: 1.34-1.46
+# on 5.25, 0.68-0.75 on 5.2), so every comparison runs through clipping. Stock transformers 5.2's Trainer hands its
+# accumulation steps to Accelerate as well, whose backward divides the loss by them a second time: its gradients are
+# 1/2 of later releases' at accumulation 2 (stock's own, fixed by 5.6; CP equals them).
+CLIP = 0.5
+COMMON = ["--steps", "3", "--grad-accum", "2", "--batch-size", "2", "--optim", "sgd", "--lr", "0.05",
+          "--max-grad-norm", str(CLIP)]
 VL, Q35 = "tiny-qwen3-vl", "tiny-qwen3.5"
 EXTENDED, INTEGRATION = pytest.mark.extended, pytest.mark.integration
 
@@ -81,7 +87,7 @@ def assert_trains_like(run: Run, reference: Run, cp_size: int = 2, dp_size: int 
         # Vision data parallelism ran: each rank encoded its share of the patches, and the imbalance is logged.
         assert b["cp_vision_patches_per_rank"] > 0 and b["cp_vision_imbalance"] >= 1
     if clipped:
-        assert any(e["grad_norm"] > 1.0 for e in reference.train), "gradient clipping (at 1.0) was never exercised"
+        assert any(e["grad_norm"] > CLIP for e in reference.train), f"gradient clipping (at {CLIP}) was never exercised"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -97,7 +103,16 @@ def test_ddp_cp2_equals_p1(model, launcher, once):
     samples = [r.summary["train_samples_per_second"] * r.summary["train_runtime"] for r in (run, once(p1, model))]
     assert [round(s) for s in samples] == [12, 12]
     seen = [[e["num_input_tokens_seen"] for e in r.train] for r in (run, once(p1, model))]
-    assert seen[0] == seen[1]
+    assert seen[0] == [tokens_counted_per_cp_rank() * n for n in seen[1]]
+
+
+def tokens_counted_per_cp_rank() -> int:
+    """How many times the Trainer counts a CP group's batch in `num_input_tokens_seen` under CP=2: once, where the
+    package corrects the count (`Trainer._track_num_input_tokens`, 5.3 on); twice on transformers 5.2, which counts
+    inside its training loop (`integrations/trainer.py`, docs/versions.md)."""
+    from transformers import Trainer
+
+    return 1 if hasattr(Trainer, "_track_num_input_tokens") else 2
 
 
 @INTEGRATION
