@@ -504,6 +504,16 @@ def official_flattened_row(rank):
 
 
 @scenario
+def text_after_an_image_batch(rank):
+    # The model keeps the image batch's `rope_deltas`: transformers 5.2 adds them to the positions of the next batch
+    # without vision inputs (5.25 ignores them when given input_ids), CP's positions are stock's either way.
+    model = vl_model()
+    with torch.no_grad():
+        model(**one_sample())
+    return model, make_batch([[S(text=14)]], seed=4), {}
+
+
+@scenario
 def return_dict_false(rank):
     # Without a cache, stock 5.2 cuts this maskless row at its image (`cases.STOCK_CUTS_ROWS_AT_IMAGES`): there the row
     # gets a mask of ones, so stock's reference attends over the whole row, as CP and every later release do.

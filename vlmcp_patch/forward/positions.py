@@ -38,9 +38,13 @@ def stock_positions(model, call: dict, shape: tuple[int, int], device) -> torch.
     batch, seq = shape
     multimodal = getattr(model, "model", None)
     if hasattr(multimodal, "compute_3d_position_ids"):
+        embeds = call.get("inputs_embeds")
         positions = multimodal.compute_3d_position_ids(
             input_ids=call.get("input_ids"),
-            inputs_embeds=call.get("inputs_embeds"),
+            # Stock hands it the embeddings it looked up. 5.2 reads their shape (batch, seq, hidden) for a batch
+            # without vision inputs that follows one with them (it adds the `rope_deltas` kept from that one; 5.25 no
+            # longer does when given input_ids): a zero-width stand-in of that shape.
+            inputs_embeds=embeds if embeds is not None else torch.empty(batch, seq, 0, device=device),
             image_grid_thw=call.get("image_grid_thw"),
             video_grid_thw=call.get("video_grid_thw"),
             attention_mask=call.get("attention_mask"),
