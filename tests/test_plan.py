@@ -239,8 +239,9 @@ def test_the_command_prints_the_longest_row_per_node(capsys):
     assert planning.main(["--model", "qwen3-vl-8b", "--longest", "--offload-checkpoints"]) == 0
     out = capsys.readouterr().out
     assert "longest video row on one node of 8 H100" in out and "one node of 8 H200" in out
-    assert re.search(r"device [\d.]+ of 69\.9 GiB per GPU .*; host [\d,]+ of 1,907 GiB per node \([\d,]+ collating the "
-                     r"next row, each rank decoding the whole row\); (device|host) binds", out), out
+    assert re.search(r"device [\d.]+ of 69\.9 GiB per GPU .*; host [\d,]+ of 1,907 GiB per node \([\d,]+ the data "
+                     r"loaders': 1 row collating, each rank decoding the whole row, and the next batches cut; 0 "
+                     r"workers\); (device|host) binds", out), out
     assert "ALST (Llama-8B, 8 H100): 3.7M" in out
 
 
@@ -250,7 +251,7 @@ def test_offload_moves_the_checkpoints_to_the_host_and_the_longest_row_grows():
     on_device, on_host = (plan("qwen3-vl-8b", row, sizes=[8], all_layouts=False, training=t)[0] for t in (base, offload))
     assert on_host.memory.total < on_device.memory.total and on_device.memory.host == 0 < on_host.memory.host
     parts = (on_host.memory.host_pool + on_host.memory.host_optimizer + on_host.memory.host_batch
-             + on_host.memory.host_collation)
+             + on_host.memory.host_collation + on_host.memory.host_queued)
     assert on_host.host_gib_per_node == pytest.approx(8 * parts / 2**30 + on_host.host_allowance_gib)
     assert on_host.memory.host_pool >= on_host.memory.host > 0 and on_device.memory.host_pool == 0
     shorter, longer = (planning.longest_row("qwen3-vl-8b", "video", "h100", 8, t).tokens for t in (base, offload))
@@ -511,23 +512,25 @@ def priced_video(tokens: int, gpu: str = "h100", training: Training = ALST_SETUP
 
 
 # The device's own mechanisms (the parked features, the margin) are checked on rows whose host a per-rank decode would
-# leave room for: with the whole row collated on every rank, the host binds first (`test_the_next_row_collated_...`)
+# leave room for: with the whole row collated on every rank, the host binds first
+# (`test_the_data_loaders_rows_beside_the_step_are_priced_on_the_host`)
 SHARE_DECODED = replace(ALST_SETUP, collation="share")
 KEPT_FEATURES = replace(SHARE_DECODED, park_features=False)  # the vision features on the device, whatever the need
 
 
 def test_the_features_go_to_the_host_only_where_the_row_needs_it():
-    """By need, as the package decides (`table.features_by_need`): a 4M-token row that overflows the H100s with its
-    vision features on the device fits with them on the host, which then holds them (and prices their copies); a
-    2.5M-token row that fits anyway keeps them on the device, and so does every row on the H200s up to the longest."""
+    """By need, as the package decides (`table.features_by_need`, by the device alone): a 4M-token row that overflows
+    the H100s with its vision features on the device fits with them on the host, which then holds them (and prices
+    their copies) — given a host with room for them (the share decoded, 2.5 TB); a 2.5M-token row that fits the device
+    anyway keeps them there, and so does a 5M-token row on the H200s."""
     roomy = {"host_memory_gib": 2500}  # room on the host for the features
     kept = priced_video(4 * 2**20, training=KEPT_FEATURES, **roomy)
     parked = priced_video(4 * 2**20, training=SHARE_DECODED, **roomy)
     assert not kept.device_fits and parked.fits and parked.memory.host_features > 0 == kept.memory.host_features
     assert parked.peak_gib < kept.peak_gib and parked.host_gib_per_node > kept.host_gib_per_node
     assert parked.time.offload > kept.time.offload
-    assert priced_video(2_500_000, training=SHARE_DECODED, **roomy).memory.host_features == 0
-    assert priced_video(5_000_000, "h200", training=SHARE_DECODED, **roomy).memory.host_features == 0
+    assert priced_video(2_500_000).memory.host_features == 0
+    assert priced_video(5_000_000, "h200").memory.host_features == 0
     assert priced_video(4 * 2**20, training=replace(ALST_SETUP, park_features=True)).memory.host_features > 0
 
 
@@ -582,22 +585,23 @@ def test_the_allowance_per_rank_and_node_is_in_the_nodes_host():
     allowance = planning.HOST_GIB_PER_RANK * 8 + planning.HOST_NODE_SHARE * planning.DGX_HOST_GIB
     assert r.host_allowance_gib == pytest.approx(allowance) == planning.allowance_bytes(8, planning.DGX_HOST_GIB) / GIB
     m = r.memory
-    parts = m.host_pool + m.host_optimizer + m.host_batch + m.host_collation
+    parts = m.host_pool + m.host_optimizer + m.host_batch + m.host_collation + m.host_queued
     assert r.host_gib_per_node == pytest.approx(8 * parts / GIB + allowance)
     assert planning.DGX_HOST_GIB == pytest.approx(1907.3, abs=0.1)  # 2 TB
     assert all(g.host_memory_gib == planning.DGX_HOST_GIB for g in planning.GPUS.values())
 
 
 def test_a_row_the_host_refuses_while_the_device_fits_and_the_reverse():
-    """A row fits only when both do: on 1,000 GiB of host a 2.5M-token row with offload overflows the host, not the
-    GPUs; on the default 2 TB a 4M-token row overflows the H100s, not the host."""
+    """A row fits only when both do (the share decoded, so that the host has room at these lengths): on 1,000 GiB of
+    host a 2.5M-token row with offload overflows the host, not the GPUs; on the default 2 TB a 4.0M-token row (the
+    features kept on the device) overflows the H100s, not the host."""
     host_bound = priced_video(2_500_000, training=SHARE_DECODED, host_memory_gib=1000)
     assert host_bound.device_fits and not host_bound.host_fits and not host_bound.fits
     assert host_bound.binds == "host" and "host" in host_bound.why
     roomy = priced_video(2_500_000, training=SHARE_DECODED)
     assert roomy.fits and roomy.binds == "" and roomy.host_gib_per_node == pytest.approx(host_bound.host_gib_per_node
                                                                                       + 0.05 * (1907.3 - 1000), abs=0.1)
-    device_bound = priced_video(4 * 2**20, training=KEPT_FEATURES)
+    device_bound = priced_video(4_000_000, training=KEPT_FEATURES)
     assert device_bound.host_fits and not device_bound.device_fits and device_bound.binds == "device"
 
 
@@ -614,27 +618,38 @@ def test_the_margin_is_left_free_of_the_usable_memory():
     assert without.fits and not with_margin.fits and with_margin.binds == "device"
 
 
-def test_the_next_row_collated_beside_the_step_is_priced_on_the_host():
-    """While a step runs, its data loader collates the next row: every rank decodes the whole row, twice its fp32
-    pixel values for a moment (benchmarks/host_pixels.py's own count, docs/memory.md); decoding only the rank's share
-    (`collation="share"`) takes twice the share. In ALST's setup on 8 H100 the host then binds at a shorter row than
-    with the share decoded, and a row of 4.10M (the steady-state plan's longest) no longer fits the host."""
+def test_the_data_loaders_rows_beside_the_step_are_priced_on_the_host(capsys):
+    """Beside the step, each rank's data loader collates the next row — decoding the whole row: the items and their
+    joined tensor, twice its fp32 pixel values, and the share the cut copies out of them (benchmarks/host_pixels.py's
+    own counts, docs/memory.md); decoding only the rank's share (`collation="share"`), twice the share — one row per
+    worker process (one in the training process without workers), and holds the next batches cut: Accelerate's, and
+    per worker one more of the two it queues. In ALST's setup on 8 H100 the host then binds at a shorter row than with
+    the share decoded, shorter still with two workers, and a row of 4.10M (the steady-state plan's longest) no longer
+    fits the host."""
     from benchmarks.host_pixels import host_pixel_bytes
 
     dims = planning.model_dims("qwen3-vl-8b")
     row = Row.video(4_301_824, patch=dims.patch, merge=dims.merge)
-    whole = planning.price(dims, row, 8, "h100", training=ALST_SETUP)
-    share = planning.price(dims, row, 8, "h100", training=SHARE_DECODED)
+    whole, share, workers = (planning.price(dims, row, 8, "h100", training=t).memory for t in (
+        ALST_SETUP, SHARE_DECODED, replace(ALST_SETUP, loader_workers=2)))
     side = math.isqrt(row.patches_per_item) * dims.patch  # a temporal group of side x side frames
-    expected = host_pixel_bytes(row.patches(dims), side, 8, 8)
-    assert whole.memory.host_collation == pytest.approx(expected["collating"][0], rel=1e-9)
-    assert share.memory.host_collation == pytest.approx(2 * expected["now"][0], rel=1e-9)
-    assert not whole.host_fits and share.host_gib_per_node < whole.host_gib_per_node
-    shorter = planning.longest_row(dims, "video", "h100", 8, ALST_SETUP)
-    longer = planning.longest_row(dims, "video", "h100", 8, SHARE_DECODED)
-    assert shorter.binds == "host" and shorter.tokens < longer.tokens < row.tokens
+    counts = host_pixel_bytes(row.patches(dims), side, 8, 8)
+    collating, cut = counts["collating"][0], counts["now"][0]
+    assert whole.host_collation == pytest.approx(collating + cut, rel=1e-9)
+    assert share.host_collation == pytest.approx(2 * cut, rel=1e-9)
+    assert whole.host_queued == whole.host_batch == share.host_queued > cut
+    assert workers.host_collation == 2 * whole.host_collation and workers.host_queued == 3 * whole.host_batch
+    assert not planning.price(dims, row, 8, "h100", training=ALST_SETUP).host_fits
+    shortest, shorter, longer = (planning.longest_row(dims, "video", "h100", 8, t) for t in (
+        replace(ALST_SETUP, loader_workers=2), ALST_SETUP, SHARE_DECODED))
+    assert shortest.binds == shorter.binds == "host" and shortest.tokens < shorter.tokens < longer.tokens < row.tokens
+    text = planning.price(dims, Row.text(2**20), 8, "h100", training=ALST_SETUP).memory
+    assert text.host_collation == 0 and text.host_queued == text.host_batch > 0  # no pixel values: the integers only
     with pytest.raises(ValueError, match="collation 'all'"):
         planning.price(dims, row, 8, "h100", training=replace(ALST_SETUP, collation="all"))
+    assert planning.main(["--model", "qwen3-vl-8b", "--longest", "--offload-checkpoints", "--collation", "share",
+                          "--loader-workers", "2"]) == 0
+    assert capsys.readouterr().out.count("2 rows collating, each rank decoding its share") == 2
 
 
 def test_the_longest_row_honours_the_host_memory_and_says_what_binds(capsys):
@@ -642,7 +657,7 @@ def test_the_longest_row_honours_the_host_memory_and_says_what_binds(capsys):
     assert planning.main(["--model", "qwen3-vl-8b", "--longest", "--offload-checkpoints", "--offload-optimizer",
                           "--host-memory-gib", "1000", "--margin", "0.1"]) == 0
     out = capsys.readouterr().out
-    assert len(re.findall(r"of 1,000 GiB per node \([\d,]+ collating [^)]*\); host binds", out)) == 2, out
+    assert len(re.findall(r"of 1,000 GiB per node \([\d,]+ the data loaders'[^)]*\); host binds", out)) == 2, out
     assert "usable less a 10% margin" in out
     small = planning.longest_row("qwen3-vl-8b", "video", "h100", 8, ALST_SETUP, host_memory_gib=1000)
     assert small.binds == "host" and small.row.host_gib_per_node <= 1000 and small.row.device_fits

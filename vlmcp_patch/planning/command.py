@@ -98,6 +98,9 @@ def main(argv=None) -> int:
                     help="how the data loader brings the pixel values to the host while the step runs: every rank "
                     "decodes the whole row, then keeps its share (whole, today's loaders), or only its share (share: "
                     "docs/memory.md's way out, not built)")
+    tr.add_argument("--loader-workers", type=int, default=0,
+                    help="the data loader's worker processes (dataloader_num_workers; default 0, the HF Trainer's): "
+                    "each collates a row at once and queues finished ones on the host")
     tr.add_argument("--chosen-only", action="store_true", help="only the package's layout at each P")
     tr.add_argument("--longest", action="store_true",
                     help="print only the longest row (video for a model with vision, else text) on one node of "
@@ -116,7 +119,7 @@ def main(argv=None) -> int:
                         ring_overlap=a.ring_overlap, offload_checkpoints=a.offload_checkpoints,
                         tiled_mlp=a.tiled_mlp, tiled_vision=a.tiled_vision, recompute_norms=a.recompute_norms,
                         mlp_tile_tokens=a.mlp_tile_tokens, vision_tile_patches=a.vision_tile_patches,
-                        collation=a.collation)
+                        collation=a.collation, loader_workers=a.loader_workers)
     rates = {k: getattr(a, k) for k in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs",
                                          "ib_gbs", "ring_hidden")}
     rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None

@@ -26,6 +26,8 @@ HOST_NODE_SHARE = 0.05
 # (`pixel_values`, `pixel_values_videos`), and a data loader hands them over as they are; the cast to the model's dtype
 # happens on the device, inside the patch embedding.
 PIXEL_BYTES = 4
+# Batches each DataLoader worker prepares ahead (torch's `prefetch_factor` default)
+LOADER_PREFETCH = 2
 # The row's integer tensors as the data loader produces them, per token: input_ids, labels, attention_mask and
 # mm_token_type_ids (int64), the whole row on every rank of the group.
 BATCH_INT_BYTES = 32
@@ -111,16 +113,36 @@ def batch_host_bytes(d: ModelDims, row: Row, size: int) -> float:
     return BATCH_INT_BYTES * row.tokens + PIXEL_BYTES * d.patch_values * share
 
 
+def _pixel_bytes(d: ModelDims, row: Row, size: int) -> float:
+    """fp32 pixel bytes of the share a rank of a CP group of `size` holds (the whole row at `size` 1)."""
+    return batch_host_bytes(d, row, size) - BATCH_INT_BYTES * row.tokens
+
+
 def collation_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole") -> float:
-    """Host bytes one rank of a CP group of `size` holds while its data loader collates the next row: every item it
-    decodes and the joined pixel tensor, twice the pixel values it decodes, in the data loader's dtype (docs/memory.md,
-    "what the data loader still materialises"). `collation` "whole": it decodes the whole row (today's loaders: the
-    cut comes after the collator); "share": only its share (`batch_host_bytes`' rule). Priced beside the step's own
-    host bytes: a loader's workers collate while the step runs."""
+    """Host bytes one rank of a CP group of `size` holds while one collation of the next row runs, at its peak: every
+    item it decodes and their joined pixel tensor (twice the pixel values it decodes), and with the whole row decoded
+    the share the cut copies out of it before both go (`host_pixels.keep_pixel_share`), in the data loader's dtype
+    (docs/memory.md, "what the data loader still materialises"; the decoded frames before the processor, uint8, are
+    not priced). `collation` "whole": it decodes the whole row (today's loaders: the cut comes after the collator);
+    "share": only its share (the per-rank decode of docs/memory.md, not built)."""
     if collation not in ("whole", "share"):
         raise ValueError(f"collation {collation!r}: whole or share")
-    pixels = batch_host_bytes(d, row, size if collation == "share" else 1) - BATCH_INT_BYTES * row.tokens
-    return 2.0 * pixels
+    share = _pixel_bytes(d, row, size)
+    return 2.0 * share if collation == "share" else 2.0 * _pixel_bytes(d, row, 1) + (share if size > 1 else 0.0)
+
+
+def loader_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole", workers: int = 0) -> tuple[float,
+                                                                                                             float]:
+    """(collating, queued): what one rank's data loader holds on the host beside the batch the step trains, with
+    `workers` worker processes (`DataLoader(num_workers=...)`; 0: collated in the training process). Every collation
+    that may run at once — one per worker, each the moment its iterator starts, or the training process's own (which
+    runs between steps; priced as if beside the step's peak, an upper bound) — and the finished batches waiting, each
+    already cut to this rank's share: Accelerate's, which the HF Trainer and TRL use, takes the next batch before it
+    yields the current one, and the workers' queues hold `LOADER_PREFETCH` batches per worker, one of them being
+    collated."""
+    collating = max(1, workers) * collation_host_bytes(d, row, size, collation)
+    queued = (1 + max(0, workers * LOADER_PREFETCH - workers)) * batch_host_bytes(d, row, size)
+    return collating, queued
 
 
 def allowance_bytes(ranks: int, node_gib: float) -> float:

@@ -76,12 +76,21 @@ def longest_lines(model, kind: str, training: Training, gpus_per_node: int = 8, 
         copies = (f"; copies {tm.offload_copies:.1f} s of which {tm.offload:.1f} s exposed"
                   if training.offload_checkpoints else "")
         copies += "; vision features on the host (the row needs it)" if r.memory.host_features else ""
-        collating = r.memory.host_collation * gpus_per_node / GIB
-        decoding = "the whole row" if training.collation == "whole" else "its share"
-        collation = f" ({collating:,.0f} collating the next row, each rank decoding {decoding})" if collating else ""
         lines.append(f"longest {kind} row on {name}: {best.tokens:,} tokens ({best.tokens / 2**20:.2f}M) at U x R "
                      f"{r.ulysses} x {r.ring}; device {r.peak_gib:.1f} of {r.device_budget_gib:.1f} GiB per GPU "
                      f"(usable less a {margin:.0%} margin); host {r.host_gib_per_node:,.0f} of "
-                     f"{r.host_budget_gib:,.0f} GiB per node{collation}; {best.binds} binds; step {tm.total:.0f} s"
-                     f"{copies}; ALST (Llama-8B, 8 H100): {ALST_LONGEST / 1e6:.1f}M")
+                     f"{r.host_budget_gib:,.0f} GiB per node{_loader_text(r, training, gpus_per_node)}; {best.binds} "
+                     f"binds; step {tm.total:.0f} s{copies}; ALST (Llama-8B, 8 H100): {ALST_LONGEST / 1e6:.1f}M")
     return lines
+
+
+def _loader_text(r: PlanRow, training: Training, gpus_per_node: int) -> str:
+    """What the node's data loaders hold of its host total, and the loader priced (`host.loader_host_bytes`)."""
+    if not r.memory.host_collation:
+        return ""
+    loader = (r.memory.host_collation + r.memory.host_queued) * gpus_per_node / GIB
+    decoding = "the whole row" if training.collation == "whole" else "its share"
+    rows = max(1, training.loader_workers)
+    return (f" ({loader:,.0f} the data loaders': {rows} row{'s' if rows > 1 else ''} collating, each rank decoding "
+            f"{decoding}, and the next batches cut; {training.loader_workers} workers)")
+

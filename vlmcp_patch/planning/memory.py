@@ -12,7 +12,7 @@ from ..tiles import NORM_BACKWARD_WIDTH, tile_tokens
 from ..tiles import mlp_tile_tokens as package_mlp_tile_tokens
 from ..vision_tiles import tile_patches
 from .dims import ModelDims
-from .host import batch_host_bytes, checkpoint_pool_bytes, collation_host_bytes, offloaded_optimizer_host
+from .host import batch_host_bytes, checkpoint_pool_bytes, loader_host_bytes, offloaded_optimizer_host
 from .layouts import replicated
 from .rows import Row
 from .training import Constants, Training
@@ -152,7 +152,10 @@ class Memory:
     # and deepstack features in forward, their gradients in backward (the forward's are gone by then: the model's
     # output does not hold them)
     host_features: float = 0.0
-    host_collation: float = 0.0  # the next row being collated meanwhile (`host.collation_host_bytes`)
+    # the data loader's rows beside the step's batch (`host.loader_host_bytes`): those being collated, at their peak,
+    # and the finished batches waiting, each cut to this rank's share
+    host_collation: float = 0.0
+    host_queued: float = 0.0
     exchange: float = 0.0  # all-to-all send/receive buffers, ring K/V in flight, DeltaNet state gathers
     batch: float = 0.0  # the row's integer tensors (whole row on every rank) and this rank's pixel values
     # kernels' transients beside the recomputed layer in backward: flash-attn 2's backward scratch (fp32 dq
@@ -176,8 +179,9 @@ class Memory:
     @property
     def host_total(self) -> float:
         """Host bytes this rank needs: the checkpoint pool as allocated, the offloaded optimizer, its batch, the parked
-        vision features, the next row being collated."""
-        return self.host_pool + self.host_optimizer + self.host_batch + self.host_features + self.host_collation
+        vision features, the data loader's rows being collated and waiting."""
+        return (self.host_pool + self.host_optimizer + self.host_batch + self.host_features + self.host_collation
+                + self.host_queued)
 
 
 def static_memory(d: ModelDims, t: Training, world: int) -> tuple[float, float, float]:
@@ -345,7 +349,7 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     m.rotary = rotary_bytes(d, t, local)
     m.host_pool = checkpoint_pool_bytes(m.host)
     m.host_batch = batch_host_bytes(d, row, size)
-    m.host_collation = collation_host_bytes(d, row, size, t.collation)
+    m.host_collation, m.host_queued = loader_host_bytes(d, row, size, t.collation, t.loader_workers)
     # parked: the features on the host, and while stock's forward prepares the decoder's inputs its own host copy of
     # each deepstack level (transformers 5.18+ joins each level's one-item tuple: `torch.cat`), gone when the decoder
     # reads the parked levels (`vision.use_the_routed_deepstack_levels`); in backward their gradients, as many bytes

@@ -53,6 +53,10 @@ class Training:
     # package today); "share", each rank decodes and collates only its share (docs/memory.md's way out, not built:
     # priced to show what it would fit)
     collation: str = "whole"
+    # the data loader's worker processes (`DataLoader(num_workers=...)`, the HF Trainer's `dataloader_num_workers`):
+    # each collates a row at once and queues finished ones (`host.loader_host_bytes`); 0, the Trainer's default:
+    # collated in the training process
+    loader_workers: int = 0
 
 
 @dataclass(frozen=True)
