@@ -131,8 +131,8 @@ def collation_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "wh
     return 2.0 * share if collation == "share" else 2.0 * _pixel_bytes(d, row, 1) + (share if size > 1 else 0.0)
 
 
-def loader_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole", workers: int = 0) -> tuple[float,
-                                                                                                             float]:
+def loader_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole",
+                      workers: int = 0) -> tuple[float, float]:
     """(collating, queued): what one rank's data loader holds on the host beside the batch the step trains, with
     `workers` worker processes (`DataLoader(num_workers=...)`; 0: collated in the training process). Every collation
     that may run at once — one per worker, each the moment its iterator starts, or the training process's own (which

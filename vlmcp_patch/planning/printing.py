@@ -54,7 +54,10 @@ def assumptions(dims: ModelDims, hw: Hardware, t: Training) -> list[str]:
         f"{hw.usable:.0%} of {hw.memory_gib:g} GiB, of which the row leaves {hw.margin:.0%} free (--margin)",
         f"  host/node: {hw.host_memory_gib:,.0f} GiB per node (--host-memory-gib) for the checkpoint pools as "
         "allocated, the offloaded optimizer as DeepSpeed holds it (states and fp32 gradients, pinned blocks), every "
-        "rank's batch (the row's integers, 1/P of its fp32 pixel values plus one item) and an allowance of "
+        "rank's batch (the row's integers, 1/P of its fp32 pixel values plus one item), its data loader's "
+        f"({max(1, t.loader_workers)} row(s) collating, each rank decoding "
+        f"{'the whole row' if t.collation == 'whole' else 'its share'}, and the next batches cut; "
+        f"{t.loader_workers} workers: --loader-workers, --collation) and an allowance of "
         f"{HOST_GIB_PER_RANK:g} GiB per rank and {HOST_NODE_SHARE:.0%} of the node (docs/plan.md)",
         f"  attained rates: matmul {hw.matmul_tflops:g}, attention {hw.attention_tflops:g}, DeltaNet "
         f"{hw.deltanet_tflops:g} TFLOP/s; links NVLink {hw.nvlink_gbs:g} GB/s, IB {hw.ib_gbs:g} GB/s per GPU, "
