@@ -108,14 +108,15 @@ def batch_host_bytes(d: ModelDims, row: Row, size: int) -> float:
     """Host bytes of the batch one rank of a CP group of `size` holds: the row's integer tensors whole, and its share of
     the pixel values — 1/P of the row's plus one item (the ranks split the items; the one an edge cuts is held whole
     by both), never more than the row's — in the data loader's dtype (`PIXEL_BYTES`: fp32)."""
-    patches = row.patches(d)
-    share = min(patches, patches / size + (item_patches(d, row) if size > 1 else 0))
-    return BATCH_INT_BYTES * row.tokens + PIXEL_BYTES * d.patch_values * share
+    return BATCH_INT_BYTES * row.tokens + _pixel_bytes(d, row, size)
 
 
 def _pixel_bytes(d: ModelDims, row: Row, size: int) -> float:
-    """fp32 pixel bytes of the share a rank of a CP group of `size` holds (the whole row at `size` 1)."""
-    return batch_host_bytes(d, row, size) - BATCH_INT_BYTES * row.tokens
+    """fp32 pixel bytes of the share a rank of a CP group of `size` holds (`batch_host_bytes`; the whole row at
+    `size` 1)."""
+    patches = row.patches(d)
+    share = min(patches, patches / size + (item_patches(d, row) if size > 1 else 0))
+    return PIXEL_BYTES * d.patch_values * share
 
 
 def collation_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole") -> float:
@@ -143,6 +144,14 @@ def loader_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole
     collating = max(1, workers) * collation_host_bytes(d, row, size, collation)
     queued = (1 + max(0, workers * LOADER_PREFETCH - workers)) * batch_host_bytes(d, row, size)
     return collating, queued
+
+
+def loader_text(t: Training) -> str:
+    """The data loader `loader_host_bytes` prices for `t`, in words."""
+    rows = max(1, t.loader_workers)
+    decoding = "the whole row" if t.collation == "whole" else "its share"
+    return (f"{rows} row{'s' if rows > 1 else ''} collating, each rank decoding {decoding}, and the next batches cut; "
+            f"{t.loader_workers} workers")
 
 
 def allowance_bytes(ranks: int, node_gib: float) -> float:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .dims import model_dims
 from .hardware import GIB, Hardware, hardware
+from .host import loader_text
 from .rows import Row
 from .table import PlanRow, plan
 from .training import Training
@@ -89,8 +90,5 @@ def _loader_text(r: PlanRow, training: Training, gpus_per_node: int) -> str:
     if not r.memory.host_collation:
         return ""
     loader = (r.memory.host_collation + r.memory.host_queued) * gpus_per_node / GIB
-    decoding = "the whole row" if training.collation == "whole" else "its share"
-    rows = max(1, training.loader_workers)
-    return (f" ({loader:,.0f} the data loaders': {rows} row{'s' if rows > 1 else ''} collating, each rank decoding "
-            f"{decoding}, and the next batches cut; {training.loader_workers} workers)")
+    return f" ({loader:,.0f} the data loaders': {loader_text(training)})"
 

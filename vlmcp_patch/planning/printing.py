@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .dims import ModelDims
 from .hardware import GIB, Hardware
-from .host import HOST_GIB_PER_RANK, HOST_NODE_SHARE
+from .host import HOST_GIB_PER_RANK, HOST_NODE_SHARE, loader_text
 from .rows import Row
 from .table import PlanRow, plan
 from .training import Training
@@ -55,9 +55,7 @@ def assumptions(dims: ModelDims, hw: Hardware, t: Training) -> list[str]:
         f"  host/node: {hw.host_memory_gib:,.0f} GiB per node (--host-memory-gib) for the checkpoint pools as "
         "allocated, the offloaded optimizer as DeepSpeed holds it (states and fp32 gradients, pinned blocks), every "
         "rank's batch (the row's integers, 1/P of its fp32 pixel values plus one item), its data loader's "
-        f"({max(1, t.loader_workers)} row(s) collating, each rank decoding "
-        f"{'the whole row' if t.collation == 'whole' else 'its share'}, and the next batches cut; "
-        f"{t.loader_workers} workers: --loader-workers, --collation) and an allowance of "
+        f"({loader_text(t)}: --loader-workers, --collation) and an allowance of "
         f"{HOST_GIB_PER_RANK:g} GiB per rank and {HOST_NODE_SHARE:.0%} of the node (docs/plan.md)",
         f"  attained rates: matmul {hw.matmul_tflops:g}, attention {hw.attention_tflops:g}, DeltaNet "
         f"{hw.deltanet_tflops:g} TFLOP/s; links NVLink {hw.nvlink_gbs:g} GB/s, IB {hw.ib_gbs:g} GB/s per GPU, "
