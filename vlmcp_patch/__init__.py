@@ -47,6 +47,7 @@ from .integrations.setup import check_cp_setup  # noqa: E402
 from .logprobs import token_log_probs  # noqa: E402
 from .patching import PATCHES, cp_size  # noqa: E402
 from .settings import SETTINGS, enable, env_flag  # noqa: E402
+from .share_decode import ShareDecoding, VideoItem  # noqa: E402
 from .supported import supported_class_names  # noqa: E402
 
 __version__ = "0.2.0"
@@ -121,6 +122,8 @@ __all__ = [
     "apply",
     "batch_to_device",
     "PixelShareCollator",
+    "ShareDecoding",
+    "VideoItem",
     "cp_size",
     "data_parallel_rank",
     "data_parallel_world_size",

@@ -42,7 +42,9 @@ SHARDING_HINT = (
 )
 HINTS = {
     "pixel_values": "the images differ while their tokens agree: a random augmentation drawn per rank? Seed it "
-    "identically on the ranks of a group (e.g. from data_parallel_rank()) or apply it before sharding",
+    "identically on the ranks of a group (e.g. from data_parallel_rank()) or apply it before sharding. Shares "
+    "decoded per rank (vlmcp_patch.ShareDecoding) agree by their recipe: the same items under the same keys, "
+    "processor settings and dtype on every rank",
     "labels": "the targets differ while the tokens agree: labels built per rank (random masking?) must be drawn "
     "identically on the ranks of a group",
     "num_items_in_batch": "each rank counted its own targets: count them over the data-parallel replicas "

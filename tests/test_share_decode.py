@@ -1,0 +1,122 @@
+"""The per-rank decode (`vlmcp_patch/share_decode.py`): each rank of a CP group decodes and processes only the images
+and video groups it encodes, with the processor's own tokens for the whole rows.
+
+In one process: with no cut the batch equals the processor's own output bit for bit; each rank's pixel values are
+exactly its rows of the whole (the record's), only its items and groups are decoded, and the ranks' rows tile the
+whole. In a group: the loss and every gradient (summed over the group) equal stock at P=1 on the processor's whole
+batch; ranks given different recipes raise on every rank before compute; pixel values decoded in a bf16 model's dtype
+give the same step bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import share_decode_cases as cases
+from tests.helpers.harness import run_distributed
+from vlmcp_patch.fixtures.processor import tiny_processor
+from vlmcp_patch.forward.arguments import SHARE_RECORDS
+from vlmcp_patch.forward.host_pixels import FINGERPRINT, RANK, SIZE, START, STOP, WHOLE
+from vlmcp_patch.share_decode import ShareDecoding, image_grid
+
+PIXELS = ("pixel_values", "pixel_values_videos")
+
+
+@pytest.fixture(scope="module")
+def whole():
+    batch, decodes = cases.build(1, 0)
+    return batch, decodes
+
+
+def test_without_a_cut_the_batch_is_the_processors_own(tmp_path):
+    from vlmcp_patch.fixtures.data import make_image
+
+    processor = tiny_processor()
+    pictures = [make_image(w, h, seed=i) for i, (w, h) in enumerate([(40, 30), (64, 64), (100, 20), (33, 77)])]
+    text = ["a <|vision_start|><|image_pad|><|vision_end|> b <|vision_start|><|image_pad|><|vision_end|> c",
+            "<|vision_start|><|image_pad|><|vision_end|>d<|vision_start|><|image_pad|><|vision_end|> e"]
+    stock = processor(text=text, images=pictures, return_tensors="pt", padding=True)
+    ours = ShareDecoding(processor)(text=text, images=pictures, padding=True)  # no CP group: no cut
+    assert sorted(ours) == sorted(stock)
+    for key in stock:
+        assert torch.equal(ours[key], stock[key]), key
+
+
+@pytest.mark.parametrize("size, height, width", [(1, 30, 40), (1, 77, 33), (1, 20, 100), (1, 512, 3), (1, 8, 8)])
+def test_an_images_grid_from_its_size_is_the_processors(size, height, width):
+    from vlmcp_patch.fixtures.data import image_processor, make_image
+
+    processor = image_processor()
+    stock = processor(images=[make_image(width, height, seed=1)], return_tensors="pt")["image_grid_thw"][0]
+    assert list(image_grid(processor, height, width)) == stock.tolist()
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_each_rank_decodes_its_rows_only_and_the_ranks_tile_the_whole(whole, size):
+    reference, everything = whole
+    assert sorted(set(everything.images)) == [0, 1, 2, 3] and everything.groups == list(range(cases.GROUPS))
+    covered = {key: torch.zeros(reference[key].shape[0], dtype=torch.bool) for key in PIXELS}
+    for rank in range(size):
+        batch, decodes = cases.build(size, rank)
+        for key in ("input_ids", "attention_mask", "mm_token_type_ids", "image_grid_thw", "video_grid_thw"):
+            assert torch.equal(batch[key], reference[key]), key
+        records = {key: batch.get(SHARE_RECORDS[key]) for key in PIXELS}
+        if size == 3:  # four images and eight groups over three ranks do not balance: decoded whole, no record
+            assert all(record is None for record in records.values())
+            assert torch.equal(batch["pixel_values"], reference["pixel_values"])
+            continue
+        for key, record in records.items():
+            start, stop = int(record[START]), int(record[STOP])
+            assert [int(record[SIZE]), int(record[RANK]), int(record[WHOLE])] == [size, rank, reference[key].shape[0]]
+            assert torch.equal(batch[key], reference[key][start:stop])
+            covered[key][start:stop] = True
+        per_group = 16  # a group's rows: (16 / 4) ** 2 patches
+        video = records["pixel_values_videos"]
+        assert decodes.groups == list(range(int(video[START]) // per_group, int(video[STOP]) // per_group))
+        image = records["pixel_values"]
+        assert sorted(set(decodes.images)) == list(range(int(image[START]) // 16, int(image[STOP]) // 16))
+    if size != 3:
+        assert all(bool(mask.all()) for mask in covered.values())
+
+
+def test_the_recipe_digest_names_the_items_and_the_dtype():
+    digests = {}
+    for name, (key, dtype) in {"same": ("video-0", None), "again": ("video-0", None), "other video": ("video-1", None),
+                               "bf16": ("video-0", torch.bfloat16)}.items():
+        batch, _ = cases.build(2, 0, key=key, dtype=dtype)
+        digests[name] = batch[SHARE_RECORDS["pixel_values_videos"]][FINGERPRINT:].tolist()
+    assert digests["same"] == digests["again"]
+    assert digests["other video"] != digests["same"] and digests["bf16"] != digests["same"]
+
+
+def test_a_source_that_gives_other_rows_raises_naming_it():
+    from vlmcp_patch.share_decode import VideoItem
+
+    metadata = cases.video_item(cases.Decodes()).metadata
+    short = VideoItem(grid=(4, 4, 4), rows=lambda first, count: torch.zeros(count * 15, 96), key="short-video",
+                      metadata=metadata)
+    with pytest.raises(ValueError, match=r"short-video.*groups 2\.\.3.*\(32, 96\)"):
+        ShareDecoding(cases.processor_with_videos(), size=2, rank=1)(
+            text=["<|vision_start|><|video_pad|><|vision_end|>"], videos=[short])
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_decoded_shares_train_as_stock_p1(size):
+    results = run_distributed(cases.run_decoded_share, size, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["same_params"] and r["loss_error"] <= cases.TOL and r["grad_error"] <= cases.TOL, (rank, r)
+        assert all(r["rows"][k] * size == r["whole_rows"][k] for k in PIXELS), r  # equal items: 1/P each
+        assert len(r["groups"]) == cases.GROUPS // size and len(set(r["images"])) == 4 // size
+    assert sorted(g for r in results for g in r["groups"]) == list(range(cases.GROUPS))
+
+
+def test_ranks_with_other_recipes_raise_on_every_rank_before_compute():
+    results = run_distributed(cases.run_other_recipes, 2, timeout=300)
+    for r in results:
+        assert r["error"] is not None and "CPInputError" in r["error"] and "pixel_values_videos" in r["error"], r
+    assert results[0]["then"] == pytest.approx(results[1]["then"])
+
+
+def test_pixel_values_in_the_patch_embeddings_dtype_give_the_same_step():
+    for r in run_distributed(cases.run_pixel_dtype, 2, timeout=300):
+        assert r == {"dtype": "torch.bfloat16", "same_loss": True, "same_grads": True}

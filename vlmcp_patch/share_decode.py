@@ -1,0 +1,256 @@
+"""Each rank decodes only its share: a batch built with the pixel values of this rank's images and video frames alone.
+
+Under CP every rank of a group receives the same rows, but encodes only its share of the vision items by items
+(`layout.VisionShare`): a function of the grids and P. Today's data loaders decode the whole row on every rank and
+the package cuts the share after (`forward.host_pixels.keep_pixel_share`), so at its peak a rank holds the row's pixel
+values twice over (docs/memory.md, "Pixel values on the host"). `ShareDecoding` builds the batch the processor would
+give, but decodes and processes only this rank's items:
+
+1. each item's grid comes from what is known before decoding: an image's size (a `PIL.Image.open` reads the header
+   only; the processor's own resize rule, `image_grid`), a video's grid from its caller (`VideoItem`);
+2. the tokens are the processor's own: it expands the placeholders from those grids (`_GridsOnly` stands in for its
+   image / video processor for that call, so every release's own expansion runs, timestamps included);
+3. the rows this rank encodes are `host_pixels.host_rows` — the same rule the forward plans by — and only the items
+   and temporal groups in them are decoded, each written into one tensor of the share (`dtype`: the processor's, or
+   the one the model's patch embedding casts to, which changes nothing: Qwen's patch embeddings cast their input to
+   their weight's dtype first);
+4. beside them goes the record the forward reads (`SHARE_RECORDS`), whose fingerprint is a digest of the recipe (the
+   items' keys, grids and processor settings, the dtype) since no rank holds the whole tensor: identical recipes
+   decode identical pixels, and ranks given different recipes raise on every rank before compute, as ranks given
+   different pixels do.
+
+With CP off (no group, or vision data parallelism or `host_pixel_shares` off) every item is decoded and no record is
+added: the batch then equals the processor's own output. Where the items do not balance (the forward shares them by
+patches) that modality is decoded whole, as the cut keeps it whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .forward.arguments import SHARE_RECORDS
+from .forward.host_pixels import host_rows, this_ranks_cut
+
+# Video groups decoded per call of `VideoItem.rows`: the share's tensor plus this many groups is a rank's peak.
+GROUPS_PER_CALL = 16
+
+
+@dataclass(frozen=True)
+class VideoItem:
+    """One video of a row, known before decoding: `grid` (temporal patch groups, height and width in patches), as the
+    video processor's `video_grid_thw` gives it; `rows(first, count)` the pixel rows of groups first..first+count-1,
+    ((count * h * w), values), exactly as the processor's `pixel_values_videos` hold them (every frame resized to the
+    whole video's size); `key` what names the video (its path, a content hash) for the ranks' agreement; `metadata`
+    what the processor's text expansion reads (Qwen3-VL: a `VideoMetadata` with `fps` and `frames_indices`)."""
+
+    grid: tuple[int, int, int]
+    rows: Callable[[int, int], torch.Tensor]
+    key: str
+    metadata: object = None
+
+
+@dataclass(frozen=True)
+class _Source:
+    grid: tuple[int, int, int]
+    rows: Callable[[int, int], torch.Tensor]
+    key: str
+
+
+def image_grid(image_processor, height: int, width: int, **images_kwargs) -> tuple[int, int, int]:
+    """(1, h, w) in patches: the grid the Qwen image processor gives an image of `height` x `width` pixels, by its own
+    resize rule (`smart_resize` with its patch and merge sizes and pixel bounds), checked against its own patch count
+    (`get_number_of_image_patches`, which vLLM relies on)."""
+    smart_resize = sys.modules[type(image_processor).__module__].smart_resize  # the processor's own module's
+    size = images_kwargs.get("size") or image_processor.size
+    min_pixels = images_kwargs.get("min_pixels", size["shortest_edge"])
+    max_pixels = images_kwargs.get("max_pixels", size["longest_edge"])
+    patch, merge = image_processor.patch_size, image_processor.merge_size
+    resized_h, resized_w = smart_resize(height, width, factor=patch * merge, min_pixels=min_pixels,
+                                        max_pixels=max_pixels)
+    grid = (1, resized_h // patch, resized_w // patch)
+    counted = image_processor.get_number_of_image_patches(height, width, images_kwargs)
+    if grid[1] * grid[2] != counted:
+        raise ValueError(f"the image processor counts {counted} patches for a {height} x {width} image, and its resize "
+                         f"rule gives {grid[1]} x {grid[2]}: vlmcp_patch's reading of {type(image_processor).__name__} "
+                         "does not hold for this release; decode the row whole (the processor itself)")
+    return grid
+
+
+def _image_key(image) -> str:
+    """What names an image for the agreement: its file when it was opened from one (not decoded yet), else a hash of
+    its pixels (already decoded)."""
+    name = getattr(image, "filename", "") or ""
+    if name:
+        return f"file:{name}"
+    return "pixels:" + hashlib.sha256(image.tobytes()).hexdigest() + f":{image.mode}:{image.size}"
+
+
+def _image_source(image, image_processor, images_kwargs: dict) -> _Source:
+    width, height = image.size
+
+    def rows(first: int, count: int) -> torch.Tensor:
+        return image_processor(images=[image], return_tensors="pt", **images_kwargs)["pixel_values"]
+
+    return _Source(image_grid(image_processor, height, width, **images_kwargs), rows, _image_key(image))
+
+
+def _runs(grid: list[tuple[int, int, int]], rows: slice) -> list[tuple[int, int, int]]:
+    """(item, first group, groups) of each item's temporal groups inside the patch rows `rows` of a modality whose
+    items have `grid`, in row order; a share by items starts and stops on group edges."""
+    runs, offset = [], 0
+    for item, (t, h, w) in enumerate(grid):
+        per_group, end = h * w, offset + t * h * w
+        start, stop = max(rows.start, offset), min(rows.stop, end)
+        if start < stop:
+            if (start - offset) % per_group or (stop - offset) % per_group:
+                raise AssertionError(f"rows {rows} cut item {item} inside a temporal group")
+            runs.append((item, (start - offset) // per_group, (stop - start) // per_group))
+        offset = end
+    return runs
+
+
+def _recipe_digest(kind: str, sources: Sequence[_Source], settings: dict, dtype: torch.dtype | None) -> list[float]:
+    """Three floats that name what the ranks decode, in place of the whole tensor's fingerprint: the same on every
+    rank given the same items, keys, grids, processor settings and dtype (each a 48-bit integer, exact in float64)."""
+    text = json.dumps({"kind": kind, "items": [(s.key, list(s.grid)) for s in sources], "settings": settings,
+                       "dtype": str(dtype)}, sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode()).digest()
+    return [float(int.from_bytes(digest[i:i + 6], "big")) for i in (0, 6, 12)]
+
+
+def decode_rows(sources: Sequence[_Source], rows: slice, width: int, dtype: torch.dtype | None,
+                groups_per_call: int = GROUPS_PER_CALL) -> torch.Tensor:
+    """The pixel rows `rows` of a modality (its items `sources`, in order): one tensor (rows, `width`) of `dtype`
+    (None: the first decoded rows'), filled by calling each source's `rows` for its groups in the slice only, at most
+    `groups_per_call` groups a call. Raises where a source returns other than the rows its grid asks for."""
+    out = None
+    at = rows.start
+    for item, first, groups in _runs([s.grid for s in sources], rows):
+        source = sources[item]
+        per_group = source.grid[1] * source.grid[2]
+        for start in range(first, first + groups, groups_per_call):
+            count = min(groups_per_call, first + groups - start)
+            part = source.rows(start, count)
+            if not torch.is_tensor(part) or tuple(part.shape) != (count * per_group, width):
+                got = tuple(part.shape) if torch.is_tensor(part) else type(part).__name__
+                raise ValueError(f"item {item} ({source.key}) gave pixel rows of shape {got} for its groups "
+                                 f"{start}..{start + count - 1}, and its grid {source.grid} asks for "
+                                 f"{(count * per_group, width)}")
+            if out is None:
+                out = torch.empty((rows.stop - rows.start, width), dtype=dtype or part.dtype)
+            out[at - rows.start:at - rows.start + part.shape[0]] = part
+            at += part.shape[0]
+            del part
+    return out if out is not None else torch.empty((0, width), dtype=dtype or torch.float32)
+
+
+class _GridsOnly:
+    """Stands in for a processor's image or video processor while the processor expands the text: it returns the
+    grids (and the videos' metadata) the decoded rows will have, and no pixel values; everything else is the real
+    sub-processor's."""
+
+    def __init__(self, real, outputs: dict):
+        self._real, self._outputs = real, outputs
+
+    def __call__(self, *args, **kwargs):
+        from transformers import BatchFeature
+
+        return BatchFeature({k: (list(v) if isinstance(v, list) else v) for k, v in self._outputs.items()})
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _pixel_width(sub_processor) -> int:
+    """Values per pixel row: RGB x the temporal patch x the patch's area (Qwen's processors convert to RGB)."""
+    return 3 * sub_processor.temporal_patch_size * sub_processor.patch_size**2
+
+
+def _settings(sub_processor) -> dict:
+    return sub_processor.to_dict() if hasattr(sub_processor, "to_dict") else {}
+
+
+class ShareDecoding:
+    """A Qwen-VL processor's call that decodes only this rank's share of the row's images and video groups (module
+    docstring).
+
+    `ShareDecoding(processor)(text=..., images=[...], videos=[VideoItem(...)], **kwargs)` returns the processor's
+    `BatchFeature` for the batch — `input_ids`, `attention_mask`, `mm_token_type_ids`, `image_grid_thw`,
+    `video_grid_thw` of the whole rows — with `pixel_values` / `pixel_values_videos` (rows, values) holding this rank's
+    rows only, and their share records. Images are PIL images (opened lazily, they are decoded only on the rank that
+    encodes them); videos are `VideoItem`s. `dtype`: the pixel values' dtype (None: the processor's, fp32); `size`,
+    `rank`: the CP group's size and this rank's place in it (default: the running group, `host_pixels.this_ranks_cut`;
+    none: every item decoded, no records). `**kwargs` go to the processor's call (text options: padding,
+    return_tensors is always "pt")."""
+
+    def __init__(self, processor, *, dtype: torch.dtype | None = None, size: int | None = None,
+                 rank: int | None = None, groups_per_call: int = GROUPS_PER_CALL):
+        if (size is None) != (rank is None):
+            raise ValueError("give both size and rank, or neither (then the running CP group's)")
+        self.processor, self.dtype, self.groups_per_call = processor, dtype, groups_per_call
+        self._cut = (size, rank) if size is not None else None
+
+    def cut(self) -> tuple[int, int] | None:
+        """(size, rank) this call decodes the share for; None: it decodes every item."""
+        if self._cut is not None:
+            return self._cut if self._cut[0] > 1 else None
+        return this_ranks_cut()
+
+    def __call__(self, text, images: Sequence | None = None, videos: Sequence[VideoItem] | None = None, **kwargs):
+        from PIL import Image
+
+        kwargs.pop("return_tensors", None)
+        images_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ("min_pixels", "max_pixels", "size")}
+        images, videos = list(images or []), list(videos or [])
+        modalities = []  # (pixels key, grid key, sources, sub-processor)
+        stand_ins = {}
+        if images:
+            sources = [_image_source(image, self.processor.image_processor, images_kwargs) for image in images]
+            modalities.append(("pixel_values", "image_grid_thw", sources, self.processor.image_processor))
+            stand_ins["image_processor"] = {"pixel_values": torch.empty(0), "image_grid_thw": _grid(sources)}
+        if videos:
+            sources = [_Source(tuple(int(n) for n in v.grid), v.rows, str(v.key)) for v in videos]
+            video_processor = getattr(self.processor, "video_processor", None)
+            if video_processor is None:
+                raise ValueError(f"{type(self.processor).__name__} has no video processor: it cannot expand videos")
+            modalities.append(("pixel_values_videos", "video_grid_thw", sources, video_processor))
+            stand_ins["video_processor"] = {"pixel_values_videos": torch.empty(0), "video_grid_thw": _grid(sources),
+                                            "video_metadata": [copy.copy(v.metadata) for v in videos]}
+        # The processor's own expansion over tiny stand-in inputs: its sub-processors are the grids-only stand-ins.
+        expanding = copy.copy(self.processor)
+        for name, outputs in stand_ins.items():
+            setattr(expanding, name, _GridsOnly(getattr(self.processor, name), outputs))
+        call = dict(kwargs, return_tensors="pt")
+        if images:
+            call["images"] = [Image.new("RGB", (1, 1)) for _ in images]
+        if videos:
+            import numpy as np
+
+            call["videos"] = [np.zeros((1, 1, 1, 3), dtype=np.uint8) for _ in videos]
+            call["return_metadata"] = True
+        batch = expanding(text=text, **call)
+        batch.pop("video_metadata", None)
+        cut = self.cut()
+        for pixels_key, grid_key, sources, sub_processor in modalities:
+            grid = batch[grid_key]
+            whole = int(grid.prod(-1).sum())
+            rows = host_rows(grid, *cut) if cut is not None else None
+            kept = rows if rows is not None else slice(0, whole)
+            batch[pixels_key] = decode_rows(sources, kept, _pixel_width(sub_processor), self.dtype,
+                                            self.groups_per_call)
+            if rows is not None:
+                digest = _recipe_digest(pixels_key, sources, _settings(sub_processor), self.dtype)
+                batch[SHARE_RECORDS[pixels_key]] = torch.tensor([*cut, rows.start, rows.stop, whole, *digest],
+                                                                dtype=torch.float64)
+        return batch
+
+
+def _grid(sources: Sequence[_Source]) -> torch.Tensor:
+    return torch.tensor([list(s.grid) for s in sources], dtype=torch.long)
