@@ -5,21 +5,27 @@ In one process: with no cut the batch equals the processor's own output bit for 
 exactly its rows of the whole (the record's), only its items and groups are decoded, and the ranks' rows tile the
 whole. In a group: the loss and every gradient (summed over the group) equal stock at P=1 on the processor's whole
 batch; ranks given different recipes raise on every rank before compute; pixel values decoded in a bf16 model's dtype
-give the same step bit for bit."""
+give the same step bit for bit. Through the HF Trainer, a collator that calls it holds only the rank's share and steps
+as one process."""
 
 from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import share_decode_cases as cases
-from tests.helpers.harness import run_distributed
+from tests.helpers.harness import ROOT, launch, run_distributed
 from vlmcp_patch.fixtures.processor import tiny_processor
 from vlmcp_patch.forward.arguments import SHARE_RECORDS
 from vlmcp_patch.forward.host_pixels import FINGERPRINT, RANK, SIZE, START, STOP, WHOLE
 from vlmcp_patch.share_decode import ShareDecoding, image_grid
 
 PIXELS = ("pixel_values", "pixel_values_videos")
+SCRIPT = ROOT / "tests" / "helpers" / "host_pixels_script.py"
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +126,31 @@ def test_ranks_with_other_recipes_raise_on_every_rank_before_compute():
 def test_pixel_values_in_the_patch_embeddings_dtype_give_the_same_step():
     for r in run_distributed(cases.run_pixel_dtype, 2, timeout=300):
         assert r == {"dtype": "torch.bfloat16", "same_loss": True, "same_grads": True}
+
+
+def _trainer_run(cp_size: int) -> Path:
+    out = Path(tempfile.mkdtemp(prefix="share-decode-"))
+    procs, launcher = (cp_size, "torchrun") if cp_size > 1 else (1, "python")
+    run = launch(SCRIPT, [out, "trainer_share_decode"], procs=procs, launcher=launcher,
+                 env={"VLMCP_CP_SIZE": str(cp_size)}, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out
+
+
+def test_the_hf_trainer_steps_on_decoded_shares_as_one_process(once):
+    """A data collator that calls `ShareDecoding`: under CP each rank decodes and holds only its share (the pixel bytes
+    alive at the tower within the bound, below the whole), and the Trainer's gradients equal one process's, whose
+    collator decoded everything (the control: it holds the whole row's pixel values)."""
+    from vlmcp_patch.fixtures.compare import gradient_errors
+
+    cut, stock = once(_trainer_run, 2), once(_trainer_run, 1)
+    ranks = [json.loads((cut / f"trainer_share_decode.rank{rank}.json").read_text()) for rank in range(2)]
+    for held in ranks:
+        assert held["alive"] <= held["bound"] < held["whole"], held
+        assert len(held["groups"]) == cases.GROUPS // 2 and len(held["images"]) == 2, held
+    assert sorted(ranks[0]["groups"] + ranks[1]["groups"]) == list(range(cases.GROUPS))
+    whole = json.loads((stock / "trainer_share_decode.rank0.json").read_text())
+    assert whole["alive"] >= whole["whole"] and len(whole["groups"]) == cases.GROUPS, whole
+    grads, reference = torch.load(cut / "trainer_share_decode.pt"), torch.load(stock / "trainer_share_decode.pt")
+    assert sorted(grads) == sorted(reference)
+    assert max(gradient_errors(grads, reference)[0].values()) <= cases.TOL

@@ -120,8 +120,50 @@ def accelerate_prefetch_step(output_dir: str) -> tuple[PixelBytesProbe, dict]:
     return accelerate_step(output_dir, batches=2)
 
 
+class ShareDecodingCollator:
+    """The row of `share_decode_cases` from its recipe (the text, lazily opened image files, a video's grid and group
+    decoder), built by `vlmcp_patch.ShareDecoding`: each rank decodes only its share; what it decoded is counted."""
+
+    def __init__(self):
+        from tests.helpers import share_decode_cases as cases
+
+        self.cases, self.decodes = cases, cases.Decodes()
+
+    def __call__(self, features):
+        cases = self.cases
+        batch = dict(vlmcp_patch.ShareDecoding(cases.processor_with_videos())(
+            text=cases.TEXT, images=cases.images(self.decodes), videos=[cases.video_item(self.decodes)],
+            return_mm_token_type_ids=True))
+        batch["labels"] = batch["input_ids"].masked_fill(batch["mm_token_type_ids"] != 0, -100)
+        return batch
+
+
+def trainer_share_decode_step(output_dir: str) -> tuple[PixelBytesProbe, dict, dict]:
+    """One HF Trainer step on `share_decode_cases`' row, collated by `ShareDecodingCollator`; its facts: the whole
+    row's pixel bytes and bound, and the groups and images this rank decoded."""
+    from tests.helpers import share_decode_cases as cases
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    grads, collator = {}, ShareDecodingCollator()
+
+    class KeepGradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.update(_grads(model))
+
+    model = _model()
+    probe = PixelBytesProbe(model)
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=1, max_steps=1, learning_rate=1e-3,
+                             optim="sgd", report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                             remove_unused_columns=False)
+    Trainer(model=model, args=args, train_dataset=[{"recipe": 0}], data_collator=collator,
+            callbacks=[KeepGradients()]).train()
+    facts = pixel_bound(cases.build(1, 0)[0], vlmcp_patch.cp_size())
+    return probe, grads, {**facts, "groups": sorted(set(collator.decodes.groups)),
+                          "images": sorted(set(collator.decodes.images))}
+
+
 STACKS = {"trainer": trainer_step, "accelerate": accelerate_step, "raw": raw_step,
-          "accelerate_prefetch": accelerate_prefetch_step}
+          "accelerate_prefetch": accelerate_prefetch_step, "trainer_share_decode": trainer_share_decode_step}
 
 
 def main(out: str, stacks: list[str]) -> None:
@@ -131,9 +173,9 @@ def main(out: str, stacks: list[str]) -> None:
     facts = pixel_bound(PaddingCollator()(list(_samples())), vlmcp_patch.cp_size())
     for name in stacks:
         with tempfile.TemporaryDirectory() as output_dir:
-            probe, grads = STACKS[name](output_dir)
+            probe, grads, *own_facts = STACKS[name](output_dir)
         probe.remove()
-        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps({**facts, "alive": probe.most}))
+        Path(out, f"{name}.rank{rank}.json").write_text(json.dumps({**(own_facts or [facts])[0], "alive": probe.most}))
         if rank == 0:
             torch.save(grads, Path(out, f"{name}.pt"))
 

@@ -97,7 +97,7 @@ def build(size: int | None = None, rank: int | None = None, key: str = "video-0"
 
     decodes = Decodes()
     batch = dict(ShareDecoding(processor_with_videos(), size=size, rank=rank, dtype=dtype)(
-        text=TEXT, images=images(decodes), videos=[video_item(decodes, key)]))
+        text=TEXT, images=images(decodes), videos=[video_item(decodes, key)], return_mm_token_type_ids=True))
     batch["labels"] = batch["input_ids"].masked_fill(batch["mm_token_type_ids"] != 0, -100)
     return batch, decodes
 
