@@ -28,12 +28,6 @@ PIXELS = ("pixel_values", "pixel_values_videos")
 SCRIPT = ROOT / "tests" / "helpers" / "host_pixels_script.py"
 
 
-@pytest.fixture(scope="module")
-def whole():
-    batch, decodes = cases.build(1, 0)
-    return batch, decodes
-
-
 def test_without_a_cut_the_batch_is_the_processors_own(tmp_path):
     from vlmcp_patch.fixtures.data import make_image
 
@@ -58,8 +52,8 @@ def test_an_images_grid_from_its_size_is_the_processors(size, height, width):
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_each_rank_decodes_its_rows_only_and_the_ranks_tile_the_whole(whole, size):
-    reference, everything = whole
+def test_each_rank_decodes_its_rows_only_and_the_ranks_tile_the_whole(size):
+    reference, everything = cases.build(1, 0)
     assert sorted(set(everything.images)) == [0, 1, 2, 3] and everything.groups == list(range(cases.GROUPS))
     covered = {key: torch.zeros(reference[key].shape[0], dtype=torch.bool) for key in PIXELS}
     for rank in range(size):
@@ -154,3 +148,28 @@ def test_the_hf_trainer_steps_on_decoded_shares_as_one_process(once):
     grads, reference = torch.load(cut / "trainer_share_decode.pt"), torch.load(stock / "trainer_share_decode.pt")
     assert sorted(grads) == sorted(reference)
     assert max(gradient_errors(grads, reference)[0].values()) <= cases.TOL
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_decoding_a_share_holds_the_share_and_one_call_where_the_cut_held_the_whole(size):
+    """The most pixel bytes alive while a rank decodes: at most its share of each modality plus one call's rows (one
+    temporal group here); the control, the whole row decoded then cut (`keep_pixel_share`), holds the whole and the
+    share at once."""
+    from vlmcp_patch.forward.host_pixels import keep_pixel_share
+
+    whole, _ = cases.build(1, 0)
+    whole_bytes = sum(whole[key].nbytes for key in PIXELS)
+    group_bytes = 16 * cases.PIXEL_WIDTH * 4  # one temporal group's rows, fp32
+    del whole
+    for rank in range(size):
+        batch, decodes = cases.build(size, rank, measuring=True, groups_per_call=1)
+        share_bytes = sum(batch[key].nbytes for key in PIXELS)
+        assert share_bytes * size == whole_bytes
+        assert decodes.most <= share_bytes + group_bytes, (decodes.most, share_bytes, group_bytes)
+        del batch
+    from tests.helpers.host_pixel_cases import pixel_bytes_alive
+
+    collated, _ = cases.build(1, 0)
+    cut = keep_pixel_share(collated, size, 0)
+    assert pixel_bytes_alive(cases.PIXEL_WIDTH) >= whole_bytes + whole_bytes / size
+    del cut

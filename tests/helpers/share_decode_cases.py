@@ -20,6 +20,7 @@ TEXT = ["Look: <|vision_start|><|video_pad|><|vision_end|> then <|vision_start|>
         "<|vision_start|><|image_pad|><|vision_end|>, <|vision_start|><|image_pad|><|vision_end|>, "
         "<|vision_start|><|image_pad|><|vision_end|>. Done."]
 GROUPS = 8
+PIXEL_WIDTH = 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE**2  # values per pixel row of the tiny towers
 
 
 def processor_with_videos():
@@ -36,11 +37,19 @@ def processor_with_videos():
 
 
 class Decodes:
-    """What was decoded: video groups, and images by seed."""
+    """What was decoded: video groups, and images by seed; with `measuring`, the most pixel-storage bytes alive in
+    the process at any video decode (`host_pixel_cases.pixel_bytes_alive`), the call's new rows among them."""
 
-    def __init__(self):
+    def __init__(self, measuring: bool = False):
         self.groups: list[int] = []
         self.images: list[int] = []
+        self.measuring, self.most = measuring, 0
+
+    def measure(self) -> None:
+        if self.measuring:
+            from tests.helpers.host_pixel_cases import pixel_bytes_alive
+
+            self.most = max(self.most, pixel_bytes_alive(PIXEL_WIDTH))
 
 
 def video_item(decodes: Decodes, key: str = "video-0", seed: int = 100):
@@ -52,8 +61,10 @@ def video_item(decodes: Decodes, key: str = "video-0", seed: int = 100):
 
     def rows(first: int, count: int) -> torch.Tensor:
         decodes.groups.extend(range(first, first + count))
-        return torch.cat([pil(images=[make_image(16, 16, seed=seed + g)], return_tensors="pt")["pixel_values"]
+        part = torch.cat([pil(images=[make_image(16, 16, seed=seed + g)], return_tensors="pt")["pixel_values"]
                           for g in range(first, first + count)])
+        decodes.measure()
+        return part
 
     frames = TEMPORAL_PATCH_SIZE * GROUPS
     metadata = VideoMetadata(total_num_frames=frames, fps=2.0, width=16, height=16, frames_indices=list(range(frames)))
@@ -91,12 +102,14 @@ def images(decodes: Decodes) -> list:
     return out
 
 
-def build(size: int | None = None, rank: int | None = None, key: str = "video-0", dtype=None):
+def build(size: int | None = None, rank: int | None = None, key: str = "video-0", dtype=None,
+          measuring: bool = False, groups_per_call: int = 16):
     """(batch with labels, decodes) of the row, decoded for (size, rank) (None: the running group's, or whole)."""
     from vlmcp_patch.share_decode import ShareDecoding
 
-    decodes = Decodes()
-    batch = dict(ShareDecoding(processor_with_videos(), size=size, rank=rank, dtype=dtype)(
+    decodes = Decodes(measuring)
+    batch = dict(ShareDecoding(processor_with_videos(), size=size, rank=rank, dtype=dtype,
+                               groups_per_call=groups_per_call)(
         text=TEXT, images=images(decodes), videos=[video_item(decodes, key)], return_mm_token_type_ids=True))
     batch["labels"] = batch["input_ids"].masked_fill(batch["mm_token_type_ids"] != 0, -100)
     return batch, decodes
