@@ -240,9 +240,22 @@ def test_the_command_prints_the_longest_row_per_node(capsys):
     out = capsys.readouterr().out
     assert "longest video row on one node of 8 H100" in out and "one node of 8 H200" in out
     assert re.search(r"device [\d.]+ of 69\.9 GiB per GPU .*; host [\d,]+ of 1,907 GiB per node \([\d,]+ the data "
-                     r"loaders': 1 row collating, each rank decoding the whole row, and the next batches cut; 0 "
-                     r"workers\); (device|host) binds", out), out
+                     r"loaders': 1 row collating between steps, each rank decoding the whole row in fp32, and the next "
+                     r"batches cut; 0 workers\); (device|host) binds", out), out
     assert "ALST (Llama-8B, 8 H100): 3.7M" in out
+
+
+def test_the_longest_row_and_alsts_are_in_the_same_millions(capsys):
+    """"M" is 1e6 tokens wherever the plan prints it, as ALST's published 3.7M is: the line's row, 2,104,320 tokens,
+    prints 2.10M (2**20 would print 2.01M), and so do the docs' table's rows (`longest_table`)."""
+    assert planning.main(["--model", "qwen3-vl-8b", "--longest", "--offload-checkpoints", "--offload-optimizer"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"([\d,]+) tokens \(([\d.]+)M\)", out)
+    assert len(rows) == 2 and all(f"{int(tokens.replace(',', '')) / 1e6:.2f}" == m for tokens, m in rows), out
+    assert ("2,104,320", "2.10") in rows
+    assert out.count(f"ALST (Llama-8B, 8 H100): {planning.ALST_LONGEST / 1e6:.1f}M") == 2
+    table = re.findall(r"\| ([\d,]+) \(([\d.]+)M\) \|", planning.longest_table(gpus=("h100",)))
+    assert table and all(f"{int(tokens.replace(',', '')) / 1e6:.2f}" == m for tokens, m in table)
 
 
 def test_offload_moves_the_checkpoints_to_the_host_and_the_longest_row_grows():
@@ -250,6 +263,7 @@ def test_offload_moves_the_checkpoints_to_the_host_and_the_longest_row_grows():
     row = Row.video(524288)
     on_device, on_host = (plan("qwen3-vl-8b", row, sizes=[8], all_layouts=False, training=t)[0] for t in (base, offload))
     assert on_host.memory.total < on_device.memory.total and on_device.memory.host == 0 < on_host.memory.host
+    assert on_host.memory.host_features == 0  # the collation, between steps, is the larger phase
     parts = (on_host.memory.host_pool + on_host.memory.host_optimizer + on_host.memory.host_batch
              + on_host.memory.host_collation + on_host.memory.host_queued)
     assert on_host.host_gib_per_node == pytest.approx(8 * parts / 2**30 + on_host.host_allowance_gib)
@@ -619,12 +633,13 @@ def test_the_margin_is_left_free_of_the_usable_memory():
 
 
 def test_the_data_loaders_rows_beside_the_step_are_priced_on_the_host(capsys):
-    """Beside the step, each rank's data loader collates the next row — decoding the whole row: the items and their
-    joined tensor, twice its fp32 pixel values, and the share the cut copies out of them (benchmarks/host_pixels.py's
-    own counts, docs/memory.md); decoding only the rank's share (`collation="share"`), twice the share — one row per
+    """Each rank's data loader collates the next row — decoding the whole row: the items and their joined tensor,
+    twice its fp32 pixel values, and the share the cut copies out of them (benchmarks/host_pixels.py's own counts,
+    docs/memory.md); decoding only the rank's share (`collation="share"`, `share_decode`), the share's tensor and the
+    fp32 rows of the one processor call being written into it (16 temporal groups) — one row per
     worker process (one in the training process without workers), and holds the next batches cut: Accelerate's, and
     per worker one more of the two it queues. In ALST's setup on 8 H100 the host then binds at a shorter row than with
-    the share decoded, shorter still with two workers, and a row of 4.10M (the steady-state plan's longest) no longer
+    the share decoded, shorter still with two workers, and a row of 4.30M (the steady-state plan's longest) no longer
     fits the host."""
     from benchmarks.host_pixels import host_pixel_bytes
 
@@ -636,7 +651,8 @@ def test_the_data_loaders_rows_beside_the_step_are_priced_on_the_host(capsys):
     counts = host_pixel_bytes(row.patches(dims), side, 8, 8)
     collating, cut = counts["collating"][0], counts["now"][0]
     assert whole.host_collation == pytest.approx(collating + cut, rel=1e-9)
-    assert share.host_collation == pytest.approx(2 * cut, rel=1e-9)
+    call = planning.SHARE_DECODE_GROUPS_PER_CALL * 4 * dims.patch_values * row.patches_per_item
+    assert share.host_collation == pytest.approx(cut + call, rel=1e-9) and call < cut / 100
     assert whole.host_queued == whole.host_batch == share.host_queued > cut
     assert workers.host_collation == 2 * whole.host_collation and workers.host_queued == 3 * whole.host_batch
     assert not planning.price(dims, row, 8, "h100", training=ALST_SETUP).host_fits
@@ -649,7 +665,107 @@ def test_the_data_loaders_rows_beside_the_step_are_priced_on_the_host(capsys):
         planning.price(dims, row, 8, "h100", training=replace(ALST_SETUP, collation="all"))
     assert planning.main(["--model", "qwen3-vl-8b", "--longest", "--offload-checkpoints", "--collation", "share",
                           "--loader-workers", "2"]) == 0
-    assert capsys.readouterr().out.count("2 rows collating, each rank decoding its share") == 2
+    assert capsys.readouterr().out.count("2 rows collating beside the step, each rank decoding its share in fp32") == 2
+
+
+def test_without_loader_workers_accelerate_collates_the_next_row_between_steps():
+    """The phases `host.collation_beside_step` prices, read off Accelerate's own loader (`DataLoaderShard`, which
+    the HF Trainer and TRL iterate), no workers: batch n+2 is collated when batch n+1 is asked for — after step n's
+    body (forward, backward, optimizer) has returned, never while it runs — with two batches alive then (the
+    previous one, which the loop's variable holds as the Trainer's `inputs` does, and the current one Accelerate
+    holds); inside step n two batches are alive too (the current one and the next, queued). With a worker process
+    the collation runs while the step does (the worker's own process: its collate function is not this one's)."""
+    import gc
+    import weakref
+
+    import torch
+    from accelerate.data_loader import DataLoaderShard
+
+    made, events = [], []
+
+    def alive() -> list[int]:
+        return [i for i, ref in enumerate(made) if ref() is not None]
+
+    def collate(items):
+        events.append(("collate", items[0], alive()))
+        batch = torch.tensor(items)
+        made.append(weakref.ref(batch))
+        return batch
+
+    gc.disable()  # refcounts alone free the batches: no collector run between the records
+    try:
+        for batch in DataLoaderShard(list(range(4)), batch_size=1, collate_fn=collate):
+            events.append(("step", int(batch), alive()))
+    finally:
+        gc.enable()
+    assert events == [("collate", 0, []), ("collate", 1, [0]), ("step", 0, [0, 1]),
+                      ("collate", 2, [0, 1]), ("step", 1, [1, 2]),
+                      ("collate", 3, [1, 2]), ("step", 2, [2, 3]),
+                      ("step", 3, [3])]
+    from vlmcp_patch.planning.host import collation_beside_step
+
+    assert not collation_beside_step(0) and collation_beside_step(1) and collation_beside_step(2)
+
+
+def test_the_share_decode_is_priced_by_its_own_calls():
+    """The plan mirrors the per-rank decode's processor call (`share_decode.GROUPS_PER_CALL` temporal groups, whose
+    fp32 rows are written into the share's tensor before the next call): the two agree."""
+    share_decode = pytest.importorskip("vlmcp_patch.share_decode")
+    assert planning.SHARE_DECODE_GROUPS_PER_CALL == share_decode.GROUPS_PER_CALL
+
+
+def test_without_workers_the_host_holds_the_collation_or_the_parked_features_never_both():
+    """No loader workers: the host's peak is what lives throughout (the pool, the optimizer, two batches) plus the
+    larger of the step's parked features and the between-steps collation; with workers, their sum. Qwen3-VL-8B's
+    longest share-decoded row on 8 H100 parks its features; priced as their sum it would not fit the host, and the
+    same row with two workers does not."""
+    longest = planning.longest_row("qwen3-vl-8b", "video", "h100", 8, SHARE_DECODED)
+    m = longest.row.memory
+    assert m.host_features > m.host_collation > 0 and not m.host_collation_beside_step
+    throughout = m.host_pool + m.host_optimizer + m.host_batch + m.host_queued
+    assert m.host_total == throughout + max(m.host_features, m.host_collation)
+    as_if_beside = replace(m, host_collation_beside_step=True)
+    assert as_if_beside.host_total == throughout + m.host_features + m.host_collation
+    allowance = longest.row.host_allowance_gib
+    assert 8 * m.host_total / GIB + allowance <= planning.DGX_HOST_GIB < 8 * as_if_beside.host_total / GIB + allowance
+    workers = planning.price("qwen3-vl-8b", Row.video(longest.tokens), 8, "h100",
+                             training=replace(SHARE_DECODED, loader_workers=2))
+    w = workers.memory
+    assert w.host_collation_beside_step and w.host_features > 0 and not workers.host_fits
+    assert w.host_total == w.host_pool + w.host_optimizer + w.host_batch + w.host_queued + w.host_features \
+        + w.host_collation
+
+
+def test_the_per_rank_decode_may_hand_over_the_pixels_in_the_models_dtype(capsys):
+    """`--pixel-dtype bf16` (`Training.pixel_bytes` 2): the share's pixel values in the batch, the queued batches and
+    the collation at 2 bytes a value, the integers as they were; only with the per-rank decode (`--collation share`):
+    with the whole row collated every rank holds the processor's fp32 and the cut keeps it — refused, by the pricing
+    and by the command. The longest share-decoded row grows."""
+    dims = planning.model_dims("qwen3-vl-8b")
+    row = Row.video(2**21)
+    fp32, bf16 = (planning.price(dims, row, 8, "h100", training=t).memory
+                  for t in (SHARE_DECODED, replace(SHARE_DECODED, pixel_bytes=2)))
+    ints = 32 * row.tokens
+    assert bf16.host_batch - ints == (fp32.host_batch - ints) / 2 > 0
+    call = planning.SHARE_DECODE_GROUPS_PER_CALL * 4 * dims.patch_values * row.patches_per_item  # fp32, either way
+    assert bf16.host_queued == bf16.host_batch and bf16.host_collation - call == (fp32.host_collation - call) / 2 > 0
+    assert bf16.host_collation == bf16.host_batch - ints + call
+    assert planning.batch_host_bytes(dims, row, 8, 2) == bf16.host_batch
+    text = Row.text(2**20)
+    assert planning.batch_host_bytes(dims, text, 8, 2) == planning.batch_host_bytes(dims, text, 8) == 32 * 2**20
+    with pytest.raises(ValueError, match="collation 'whole'"):
+        planning.price(dims, row, 8, "h100", training=replace(ALST_SETUP, pixel_bytes=2))
+    with pytest.raises(ValueError, match="pixel_bytes 1"):
+        planning.price(dims, row, 8, "h100", training=replace(SHARE_DECODED, pixel_bytes=1))
+    with pytest.raises(SystemExit):
+        planning.main(["--longest", "--offload-checkpoints", "--pixel-dtype", "bf16"])
+    assert "--pixel-dtype bf16 needs --collation share" in capsys.readouterr().err
+    assert planning.main(["--longest", "--offload-checkpoints", "--offload-optimizer", "--collation", "share",
+                          "--pixel-dtype", "bf16"]) == 0
+    assert capsys.readouterr().out.count("each rank decoding its share in bf16") == 2
+    fp32_rows, bf16_rows = (planning.longest_row(dims, "video", "h100", 8, t).tokens
+                            for t in (SHARE_DECODED, replace(SHARE_DECODED, pixel_bytes=2)))
+    assert bf16_rows > fp32_rows
 
 
 def test_the_longest_row_honours_the_host_memory_and_says_what_binds(capsys):

@@ -26,6 +26,7 @@ from .hardware import DEVICE_MARGIN, DGX_HOST_GIB, GIB, GPUS, Hardware, hardware
 from .host import (
     HOST_GIB_PER_RANK,
     HOST_NODE_SHARE,
+    SHARE_DECODE_GROUPS_PER_CALL,
     HostOptimizer,
     allowance_bytes,
     batch_host_bytes,
@@ -65,6 +66,7 @@ from .training import CALIBRATED, Constants, Training
 
 __all__ = [
     "ALST_LONGEST", "DEVICE_MARGIN", "DGX_HOST_GIB", "HOST_GIB_PER_RANK", "HOST_NODE_SHARE", "HostOptimizer",
+    "SHARE_DECODE_GROUPS_PER_CALL",
     "allowance_bytes", "batch_host_bytes", "checkpoint_pool_bytes", "flash_backward_scratch_bytes",
     "norm_tile_scratch_bytes", "offloaded_optimizer_host", "pinned_block_bytes", "price", "rotary_bytes",
     "CALIBRATED", "GIB", "GPUS", "MODELS", "SIZING_MODELS", "SIZING_TOKENS", "TILE_PASSES_BACKWARD",

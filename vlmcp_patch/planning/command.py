@@ -11,7 +11,7 @@ from .longest import longest_lines
 from .printing import format_table, longest_table, sizing_table
 from .rows import Row
 from .table import plan
-from .training import Training
+from .training import PIXEL_DTYPES, Training
 
 DESCRIPTION = ("Plan before you book: a cost model of one CP training step — per-rank peak memory and step time — "
                "for each CP")
@@ -95,9 +95,13 @@ def main(argv=None) -> int:
                     help=f"share of the ring's transfer that overlap hides (default {GPUS['h100'].ring_hidden:g}, "
                     "measured on CPU: docs/speed.md)")
     tr.add_argument("--collation", choices=["whole", "share"], default="whole",
-                    help="how the data loader brings the pixel values to the host while the step runs: every rank "
-                    "decodes the whole row, then keeps its share (whole, today's loaders), or only its share (share: "
-                    "docs/memory.md's way out, not built)")
+                    help="how the data loader brings the pixel values to the host: every rank decodes the whole row, "
+                    "then keeps its share (whole, the package's cut after the collator), or only its share (share: "
+                    "the per-rank decode, vlmcp_patch.share_decode)")
+    tr.add_argument("--pixel-dtype", choices=list(PIXEL_DTYPES), default="fp32",
+                    help="the pixel values' dtype as the data loader hands them to the ranks: fp32 (the Qwen-VL "
+                    "processors' own) or bf16 (the model's, bit-identical once the patch embedding casts; only with "
+                    "--collation share, whose per-rank decode takes a dtype)")
     tr.add_argument("--loader-workers", type=int, default=0,
                     help="the data loader's worker processes (dataloader_num_workers; default 0, the HF Trainer's): "
                     "each collates a row at once and queues finished ones on the host")
@@ -108,6 +112,10 @@ def main(argv=None) -> int:
                     "(--host-memory-gib), and which of the two binds")
     tr.add_argument("--sizing-table", action="store_true", help="print docs/plan.md's two tables and stop")
     a = p.parse_args(argv)
+    if a.pixel_dtype != "fp32" and a.collation == "whole":
+        p.error(f"--pixel-dtype {a.pixel_dtype} needs --collation share: with the whole row collated every rank "
+                "holds the processor's fp32 pixel values, and the cut keeps their dtype (only the per-rank decode, "
+                "vlmcp_patch.share_decode, hands them over in another)")
     if a.sizing_table:
         print(sizing_table(a.gpu, a.gpus_per_node))
         print()
@@ -119,7 +127,8 @@ def main(argv=None) -> int:
                         ring_overlap=a.ring_overlap, offload_checkpoints=a.offload_checkpoints,
                         tiled_mlp=a.tiled_mlp, tiled_vision=a.tiled_vision, recompute_norms=a.recompute_norms,
                         mlp_tile_tokens=a.mlp_tile_tokens, vision_tile_patches=a.vision_tile_patches,
-                        collation=a.collation, loader_workers=a.loader_workers)
+                        collation=a.collation, loader_workers=a.loader_workers,
+                        pixel_bytes=PIXEL_DTYPES[a.pixel_dtype])
     rates = {k: getattr(a, k) for k in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs",
                                          "ib_gbs", "ring_hidden")}
     rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None

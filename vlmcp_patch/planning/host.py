@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .dims import ModelDims
 from .hardware import GIB
 from .rows import Row
-from .training import Training
+from .training import PIXEL_DTYPES, Training
 
 # The allowance for what the plan does not price part by part (docs/plan.md, "the host"):
 # per rank, 16 GiB: the training process's own memory (the CUDA, cuBLAS, cuDNN and NCCL libraries and their host
@@ -22,10 +22,14 @@ HOST_GIB_PER_RANK = 16.0
 # safetensors go through, the node's daemons (about 95 GiB of 1,907).
 HOST_NODE_SHARE = 0.05
 
-# The dtype of the pixel values as the ranks hold them: Hugging Face's Qwen-VL image and video processors return fp32
-# (`pixel_values`, `pixel_values_videos`), and a data loader hands them over as they are; the cast to the model's dtype
-# happens on the device, inside the patch embedding.
-PIXEL_BYTES = 4
+# The dtype of the pixel values as the processors make them: Hugging Face's Qwen-VL image and video processors return
+# fp32 (`pixel_values`, `pixel_values_videos`), and a data loader that collates the whole row hands them over as they
+# are (the package's cut keeps their dtype); the cast to the model's dtype then happens on the device, inside the
+# patch embedding. The per-rank decode may hand them over in the model's dtype (`Training.pixel_bytes`).
+PROCESSOR_PIXEL_BYTES = PIXEL_DTYPES["fp32"]
+# The per-rank decode's temporal groups per processor call (`share_decode.GROUPS_PER_CALL`, mirrored here: the plan
+# imports nothing heavy): it writes each call's rows, in the processor's fp32, into the share's one tensor as they come
+SHARE_DECODE_GROUPS_PER_CALL = 16
 # Batches each DataLoader worker prepares ahead (torch's `prefetch_factor` default)
 LOADER_PREFETCH = 2
 # The row's integer tensors as the data loader produces them, per token: input_ids, labels, attention_mask and
@@ -104,54 +108,89 @@ def item_patches(d: ModelDims, row: Row) -> int:
     return row.patches_per_item or (row.patches(d) if row.vision_tokens else 0)
 
 
-def batch_host_bytes(d: ModelDims, row: Row, size: int) -> float:
+def batch_host_bytes(d: ModelDims, row: Row, size: int, pixel_bytes: int = PROCESSOR_PIXEL_BYTES) -> float:
     """Host bytes of the batch one rank of a CP group of `size` holds: the row's integer tensors whole, and its share of
     the pixel values — 1/P of the row's plus one item (the ranks split the items; the one an edge cuts is held whole
-    by both), never more than the row's — in the data loader's dtype (`PIXEL_BYTES`: fp32)."""
-    return BATCH_INT_BYTES * row.tokens + _pixel_bytes(d, row, size)
+    by both), never more than the row's — `pixel_bytes` a value (the data loader's dtype: fp32 by default)."""
+    return BATCH_INT_BYTES * row.tokens + _pixel_bytes(d, row, size, pixel_bytes)
 
 
-def _pixel_bytes(d: ModelDims, row: Row, size: int) -> float:
-    """fp32 pixel bytes of the share a rank of a CP group of `size` holds (`batch_host_bytes`; the whole row at
-    `size` 1)."""
+def _pixel_bytes(d: ModelDims, row: Row, size: int, pixel_bytes: int = PROCESSOR_PIXEL_BYTES) -> float:
+    """Pixel bytes of the share a rank of a CP group of `size` holds (`batch_host_bytes`; the whole row at `size`
+    1), `pixel_bytes` a value."""
     patches = row.patches(d)
     share = min(patches, patches / size + (item_patches(d, row) if size > 1 else 0))
-    return PIXEL_BYTES * d.patch_values * share
+    return pixel_bytes * d.patch_values * share
 
 
-def collation_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole") -> float:
-    """Host bytes one rank of a CP group of `size` holds while one collation of the next row runs, at its peak: every
-    item it decodes and their joined pixel tensor (twice the pixel values it decodes), and with the whole row decoded
-    the share the cut copies out of it before both go (`host_pixels.keep_pixel_share`), in the data loader's dtype
-    (docs/memory.md, "what the data loader still materialises"; the decoded frames before the processor, uint8, are
-    not priced). `collation` "whole": it decodes the whole row (today's loaders: the cut comes after the collator);
-    "share": only its share (the per-rank decode of docs/memory.md, not built)."""
+def collation_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole",
+                         pixel_bytes: int = PROCESSOR_PIXEL_BYTES) -> float:
+    """Host bytes one rank of a CP group of `size` holds while one collation of the next row runs, at its peak
+    (docs/memory.md, "what the data loader still materialises"; the decoded frames before the processor, uint8, the
+    processor's transients and the integer tensors the collation makes are not priced). `collation`:
+    - "whole": every item of the row decoded and their joined pixel tensor (twice the row's pixel values), and the
+      share the cut copies out of it before both go (`forward/host_pixels.keep_pixel_share`), all in the processor's
+      fp32 — the cut keeps the dtype, so `pixel_bytes` must be fp32's;
+    - "share": the per-rank decode (`vlmcp_patch.share_decode`): the share's one tensor, in its `dtype=`
+      (`pixel_bytes` a value), and the one processor call whose fp32 rows are being written into it — at most
+      `SHARE_DECODE_GROUPS_PER_CALL` of the row's largest items (a video's temporal groups; an image is a call of
+      its own, so for images an upper bound), never more than the share."""
     if collation not in ("whole", "share"):
         raise ValueError(f"collation {collation!r}: whole or share")
-    share = _pixel_bytes(d, row, size)
-    return 2.0 * share if collation == "share" else 2.0 * _pixel_bytes(d, row, 1) + (share if size > 1 else 0.0)
+    if pixel_bytes not in PIXEL_DTYPES.values():
+        raise ValueError(f"pixel_bytes {pixel_bytes}: one of {sorted(PIXEL_DTYPES.values())}")
+    if collation == "whole" and pixel_bytes != PROCESSOR_PIXEL_BYTES:
+        raise ValueError(f"pixel_bytes {pixel_bytes} with collation 'whole': every rank collates the processor's fp32 "
+                         "and the cut keeps it; the model's dtype needs the per-rank decode (collation 'share')")
+    share = _pixel_bytes(d, row, size, pixel_bytes)
+    if collation == "share":
+        call = SHARE_DECODE_GROUPS_PER_CALL * PROCESSOR_PIXEL_BYTES * d.patch_values * item_patches(d, row)
+        return share + min(call, _pixel_bytes(d, row, size))
+    return 2.0 * _pixel_bytes(d, row, 1) + (share if size > 1 else 0.0)
 
 
-def loader_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole",
-                      workers: int = 0) -> tuple[float, float]:
-    """(collating, queued): what one rank's data loader holds on the host beside the batch the step trains, with
-    `workers` worker processes (`DataLoader(num_workers=...)`; 0: collated in the training process). Every collation
-    that may run at once — one per worker, each the moment its iterator starts, or the training process's own (which
-    runs between steps; priced as if beside the step's peak, an upper bound) — and the finished batches waiting, each
-    already cut to this rank's share: Accelerate's, which the HF Trainer and TRL use, takes the next batch before it
-    yields the current one, and the workers' queues hold `LOADER_PREFETCH` batches per worker, one of them being
-    collated."""
-    collating = max(1, workers) * collation_host_bytes(d, row, size, collation)
-    queued = (1 + max(0, workers * LOADER_PREFETCH - workers)) * batch_host_bytes(d, row, size)
+def loader_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole", workers: int = 0,
+                      pixel_bytes: int = PROCESSOR_PIXEL_BYTES) -> tuple[float, float]:
+    """(collating, queued): what one rank's data loader holds on the host besides the batch the step trains, with
+    `workers` worker processes (`DataLoader(num_workers=...)`; 0: collated in the training process), pixel values
+    `pixel_bytes` a value. Every collation that may run at once — one per worker, or the training process's own —
+    each at its peak (`collation_host_bytes`), and the finished batches waiting, each already cut to this rank's
+    share: Accelerate's, which the HF Trainer and TRL use, takes the next batch before it yields the current one,
+    and the workers' queues hold `LOADER_PREFETCH` batches per worker, one of them being collated. When the
+    collation runs, beside the step or between steps: `collation_beside_step`."""
+    collating = max(1, workers) * collation_host_bytes(d, row, size, collation, pixel_bytes)
+    queued = (1 + max(0, workers * LOADER_PREFETCH - workers)) * batch_host_bytes(d, row, size, pixel_bytes)
     return collating, queued
+
+
+def collation_beside_step(workers: int) -> bool:
+    """Whether the data loader's collations run while the step does (`Memory.host_total` adds them to the step's
+    host terms) or only between steps (it takes the larger of the two phases).
+
+    With `workers` > 0 the worker processes collate while the step runs: beside it. With none, the training process
+    collates, and only between steps: Accelerate's `DataLoaderShard.__iter__` (accelerate/data_loader.py) collates
+    batch n+2 (`next(dataloader_iter)`) when the Trainer asks for batch n+1 — after step n's forward, backward and
+    optimizer step have returned — and the HF Trainer's loop (`_inner_training_loop`) asks for it through
+    `get_batch_samples` while its `batch_samples` and `inputs` still hold batch n. So a rank's host holds, beside
+    what lives throughout (the checkpoint pool, the offloaded optimizer):
+    - between steps: the previous batch (held by the Trainer), the current one (held by Accelerate, `current_batch`)
+      and the collation of the next at its peak;
+    - during the step: the current batch, the next one Accelerate queued (`next_batch`) and the vision features
+      parked on the host (`offload.park_features`: the forward's, then their gradients in backward; none outside the
+      step).
+    Two batches in both phases (`Memory.host_batch`, `host_queued`); the collation and the parked features never at
+    once. (With gradient accumulation the Trainer takes all of an optimizer step's batches at once: priced at 1.)"""
+    return workers > 0
 
 
 def loader_text(t: Training) -> str:
     """The data loader `loader_host_bytes` prices for `t`, in words."""
     rows = max(1, t.loader_workers)
     decoding = "the whole row" if t.collation == "whole" else "its share"
-    return (f"{rows} row{'s' if rows > 1 else ''} collating, each rank decoding {decoding}, and the next batches cut; "
-            f"{t.loader_workers} workers")
+    dtype = next(name for name, nbytes in PIXEL_DTYPES.items() if nbytes == t.pixel_bytes)
+    when = "beside the step" if collation_beside_step(t.loader_workers) else "between steps"
+    return (f"{rows} row{'s' if rows > 1 else ''} collating {when}, each rank decoding {decoding} in {dtype}, and the "
+            f"next batches cut; {t.loader_workers} workers")
 
 
 def allowance_bytes(ranks: int, node_gib: float) -> float:

@@ -76,8 +76,12 @@ def longest_lines(model, kind: str, training: Training, gpus_per_node: int = 8, 
         r, tm, margin = best.row, best.row.time, hardware(gpu, **rates).margin
         copies = (f"; copies {tm.offload_copies:.1f} s of which {tm.offload:.1f} s exposed"
                   if training.offload_checkpoints else "")
-        copies += "; vision features on the host (the row needs it)" if r.memory.host_features else ""
-        lines.append(f"longest {kind} row on {name}: {best.tokens:,} tokens ({best.tokens / 2**20:.2f}M) at U x R "
+        if r.memory.host_features:
+            features = r.memory.host_features * gpus_per_node / GIB
+            copies += ("; vision features on the host (the row needs it)" if r.memory.host_collation_beside_step else
+                       f"; vision features on the host (the row needs it: {features:,.0f} GiB per node during the "
+                       "step, when no row is collating; the host counts the larger of the two)")
+        lines.append(f"longest {kind} row on {name}: {best.tokens:,} tokens ({best.tokens / 1e6:.2f}M) at U x R "
                      f"{r.ulysses} x {r.ring}; device {r.peak_gib:.1f} of {r.device_budget_gib:.1f} GiB per GPU "
                      f"(usable less a {margin:.0%} margin); host {r.host_gib_per_node:,.0f} of "
                      f"{r.host_budget_gib:,.0f} GiB per node{_loader_text(r, training, gpus_per_node)}; {best.binds} "

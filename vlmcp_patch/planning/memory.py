@@ -12,7 +12,13 @@ from ..tiles import NORM_BACKWARD_WIDTH, tile_tokens
 from ..tiles import mlp_tile_tokens as package_mlp_tile_tokens
 from ..vision_tiles import tile_patches
 from .dims import ModelDims
-from .host import batch_host_bytes, checkpoint_pool_bytes, loader_host_bytes, offloaded_optimizer_host
+from .host import (
+    batch_host_bytes,
+    checkpoint_pool_bytes,
+    collation_beside_step,
+    loader_host_bytes,
+    offloaded_optimizer_host,
+)
 from .layouts import replicated
 from .rows import Row
 from .training import Constants, Training
@@ -152,10 +158,13 @@ class Memory:
     # and deepstack features in forward, their gradients in backward (the forward's are gone by then: the model's
     # output does not hold them)
     host_features: float = 0.0
-    # the data loader's rows beside the step's batch (`host.loader_host_bytes`): those being collated, at their peak,
+    # the data loader's rows besides the step's batch (`host.loader_host_bytes`): those being collated, at their peak,
     # and the finished batches waiting, each cut to this rank's share
     host_collation: float = 0.0
     host_queued: float = 0.0
+    # whether the collations run while the step does (loader workers) or only between steps, when the parked
+    # features are gone (`host.collation_beside_step`)
+    host_collation_beside_step: bool = True
     exchange: float = 0.0  # all-to-all send/receive buffers, ring K/V in flight, DeltaNet state gathers
     batch: float = 0.0  # the row's integer tensors (whole row on every rank) and this rank's pixel values
     # kernels' transients beside the recomputed layer in backward: flash-attn 2's backward scratch (fp32 dq
@@ -178,10 +187,15 @@ class Memory:
 
     @property
     def host_total(self) -> float:
-        """Host bytes this rank needs: the checkpoint pool as allocated, the offloaded optimizer, its batch, the parked
-        vision features, the data loader's rows being collated and waiting."""
-        return (self.host_pool + self.host_optimizer + self.host_batch + self.host_features + self.host_collation
-                + self.host_queued)
+        """Host bytes this rank needs at its peak: what lives throughout — the checkpoint pool as allocated, the
+        offloaded optimizer, its batch and the data loader's batches waiting — plus, where the collations run beside
+        the step (loader workers), the parked vision features and the rows being collated; where they run only
+        between steps (no workers), the larger of the two, the step's parked features or the collation
+        (`host.collation_beside_step` says what lives in each phase)."""
+        throughout = self.host_pool + self.host_optimizer + self.host_batch + self.host_queued
+        if self.host_collation_beside_step:
+            return throughout + self.host_features + self.host_collation
+        return throughout + max(self.host_features, self.host_collation)
 
 
 def static_memory(d: ModelDims, t: Training, world: int) -> tuple[float, float, float]:
@@ -348,8 +362,9 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     m.batch = 32.0 * row.tokens + (0 if tile else b * patches * d.patch_values)
     m.rotary = rotary_bytes(d, t, local)
     m.host_pool = checkpoint_pool_bytes(m.host)
-    m.host_batch = batch_host_bytes(d, row, size)
-    m.host_collation, m.host_queued = loader_host_bytes(d, row, size, t.collation, t.loader_workers)
+    m.host_batch = batch_host_bytes(d, row, size, t.pixel_bytes)
+    m.host_collation, m.host_queued = loader_host_bytes(d, row, size, t.collation, t.loader_workers, t.pixel_bytes)
+    m.host_collation_beside_step = collation_beside_step(t.loader_workers)
     # parked: the features on the host, and while stock's forward prepares the decoder's inputs its own host copy of
     # each deepstack level (transformers 5.18+ joins each level's one-item tuple: `torch.cat`), gone when the decoder
     # reads the parked levels (`vision.use_the_routed_deepstack_levels`); in backward their gradients, as many bytes

@@ -54,8 +54,8 @@ def assumptions(dims: ModelDims, hw: Hardware, t: Training) -> list[str]:
         f"{hw.usable:.0%} of {hw.memory_gib:g} GiB, of which the row leaves {hw.margin:.0%} free (--margin)",
         f"  host/node: {hw.host_memory_gib:,.0f} GiB per node (--host-memory-gib) for the checkpoint pools as "
         "allocated, the offloaded optimizer as DeepSpeed holds it (states and fp32 gradients, pinned blocks), every "
-        "rank's batch (the row's integers, 1/P of its fp32 pixel values plus one item), its data loader's "
-        f"({loader_text(t)}: --loader-workers, --collation) and an allowance of "
+        "rank's batch (the row's integers, 1/P of its pixel values plus one item), its data loader's "
+        f"({loader_text(t)}: --loader-workers, --collation, --pixel-dtype) and an allowance of "
         f"{HOST_GIB_PER_RANK:g} GiB per rank and {HOST_NODE_SHARE:.0%} of the node (docs/plan.md)",
         f"  attained rates: matmul {hw.matmul_tflops:g}, attention {hw.attention_tflops:g}, DeltaNet "
         f"{hw.deltanet_tflops:g} TFLOP/s; links NVLink {hw.nvlink_gbs:g} GB/s, IB {hw.ib_gbs:g} GB/s per GPU, "
@@ -131,7 +131,7 @@ def longest_table(gpus_per_node: int = 8, gpus=("h100", "h200")) -> str:
                 copies = f"{tm.offload_copies:.1f} ({tm.offload:.1f})" if training.offload_checkpoints else "—"
                 parked = ", vision features (by need)" if r.memory.host_features else ""
                 lines.append(f"| {name} | {gpus_per_node} {gpu.upper()} | {where}{parked} | {best.tokens:,} "
-                             f"({best.tokens / 2**20:.2f}M) | {r.ulysses} x {r.ring} | {r.peak_gib:.1f} "
+                             f"({best.tokens / 1e6:.2f}M) | {r.ulysses} x {r.ring} | {r.peak_gib:.1f} "
                              f"({r.device_budget_gib:.1f}) | {r.host_gib_per_node:,.0f} ({r.host_budget_gib:,.0f}) | "
                              f"{best.binds} | {tm.total:.0f} | {copies} |")
     return "\n".join(lines)

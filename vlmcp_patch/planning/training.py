@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The pixel values' dtypes a data loader may hand the ranks (`Training.pixel_bytes`, `--pixel-dtype`), bytes per value
+PIXEL_DTYPES = {"fp32": 4, "bf16": 2}
+
 
 @dataclass(frozen=True)
 class Training:
@@ -50,9 +53,15 @@ class Training:
     park_features: bool | None = None
     # how the data loader brings the row's pixel values to the host (`host.collation_host_bytes`): "whole", every
     # rank of the group decodes and collates the whole row, then keeps its share (what data loaders do with the
-    # package today); "share", each rank decodes and collates only its share (docs/memory.md's way out, not built:
-    # priced to show what it would fit)
+    # package's cut, `forward/host_pixels.keep_pixel_share`); "share", each rank decodes and collates only its share
+    # (the per-rank decode, `vlmcp_patch.share_decode`, docs/memory.md)
     collation: str = "whole"
+    # bytes per pixel value as the data loader hands them to the ranks (`PIXEL_DTYPES`): 4, the fp32 Hugging Face's
+    # Qwen-VL processors return; 2, bf16, only with collation "share" (the per-rank decode's `dtype=`: values in the
+    # dtype the patch embedding computes in are bit-identical to stock's, which casts its input to its weight's
+    # dtype first, `Qwen3VLVisionPatchEmbed.forward`). With "whole" every rank collates the processor's fp32 and the
+    # cut keeps that dtype: `host.loader_host_bytes` refuses 2 there
+    pixel_bytes: int = 4
     # the data loader's worker processes (`DataLoader(num_workers=...)`, the HF Trainer's `dataloader_num_workers`):
     # each collates a row at once and queues finished ones (`host.loader_host_bytes`); 0, the Trainer's default:
     # collated in the training process
