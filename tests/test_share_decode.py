@@ -173,3 +173,24 @@ def test_decoding_a_share_holds_the_share_and_one_call_where_the_cut_held_the_wh
     cut = keep_pixel_share(collated, size, 0)
     assert pixel_bytes_alive(cases.PIXEL_WIDTH) >= whole_bytes + whole_bytes / size
     del cut
+
+
+def test_the_benchmark_measures_the_decode_below_the_whole_row_decode(capsys):
+    """`python -m benchmarks.host_pixels --measure` (docs/memory.md's numbers): a line per rank of P = 2 and 4, each
+    with less alive decoding the share than decoding the whole row and cutting it."""
+    import re
+    import sys
+
+    from benchmarks import host_pixels
+
+    argv, sys.argv = sys.argv, ["host_pixels", "--measure"]
+    try:
+        host_pixels.main()
+    finally:
+        sys.argv = argv
+    lines = re.findall(r"P=(\d) rank (\d): decoded whole then cut +([\d,]+) B; decoding its share +([\d,]+) B "
+                       r"\(its share ([\d,]+) B\)", capsys.readouterr().out)
+    assert [(int(p), int(r)) for p, r, *_ in lines] == [(2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
+    for *_, cut, share_decode, share in lines:
+        cut, share_decode, share = (int(n.replace(",", "")) for n in (cut, share_decode, share))
+        assert share <= share_decode < cut
