@@ -194,3 +194,11 @@ def test_the_benchmark_measures_the_decode_below_the_whole_row_decode(capsys):
     for *_, cut, share_decode, share in lines:
         cut, share_decode, share = (int(n.replace(",", "")) for n in (cut, share_decode, share))
         assert share <= share_decode < cut
+
+
+def test_a_pickled_decoder_carries_its_processs_cut_to_spawned_workers():
+    """DataLoader workers started by spawn or forkserver have no process group: the collator pickled for them carries
+    the training process's cut (fork workers inherit the group itself)."""
+    results = run_distributed(cases.run_pickled, 2, timeout=300)
+    assert [r["under_cp"] for r in results] == [(2, 0), (2, 1)]
+    assert [r["cut_off"] for r in results] == [None, None]

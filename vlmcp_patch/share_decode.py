@@ -203,6 +203,14 @@ class ShareDecoding:
             return self._cut if self._cut[0] > 1 else None
         return this_ranks_cut()
 
+    def __getstate__(self) -> dict:
+        """Pickled (a DataLoader starting its workers by spawn or forkserver, which have no process group), it carries
+        the cut of the process that pickles it: the training process, whose group is up by then."""
+        state = dict(self.__dict__)
+        if state["_cut"] is None:
+            state["_cut"] = self.cut() or (1, 0)
+        return state
+
     def __call__(self, text, images: Sequence | None = None, videos: Sequence[VideoItem] | None = None, **kwargs):
         from PIL import Image
 

@@ -183,3 +183,21 @@ def run_pixel_dtype(rank: int, world_size: int) -> dict:
     (_, loss32, grads32), (dtype16, loss16, grads16) = out["fp32"], out["bf16"]
     return {"dtype": str(dtype16), "same_loss": loss32 == loss16,
             "same_grads": all(torch.equal(grads32[n], grads16[n]) for n in grads32) and grads32.keys() == grads16.keys()}
+
+
+def run_pickled(rank: int, world_size: int) -> dict:
+    """The cut a `ShareDecoding` carries when pickled (as a DataLoader hands its collator to spawned workers) under a
+    running CP group, and without one (`disabled()` is not a group's absence: CP off by setting)."""
+    import pickle
+
+    import vlmcp_patch
+    from vlmcp_patch.share_decode import ShareDecoding
+
+    vlmcp_patch.enable(cp_size=world_size)
+    under_cp = pickle.loads(pickle.dumps(ShareDecoding(processor_with_videos()))).cut()
+    vlmcp_patch.enable(host_pixel_shares=False)
+    try:
+        cut_off = pickle.loads(pickle.dumps(ShareDecoding(processor_with_videos()))).cut()
+    finally:
+        vlmcp_patch.enable(host_pixel_shares=True)
+    return {"under_cp": under_cp, "cut_off": cut_off}
