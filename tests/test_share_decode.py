@@ -202,3 +202,18 @@ def test_a_pickled_decoder_carries_its_processs_cut_to_spawned_workers():
     results = run_distributed(cases.run_pickled, 2, timeout=300)
     assert [r["under_cp"] for r in results] == [(2, 0), (2, 1)]
     assert [r["cut_off"] for r in results] == [None, None]
+
+
+@pytest.mark.integration
+def test_dataloader_workers_of_every_start_method_decode_the_ranks_share():
+    """One worker started by fork, spawn and forkserver, each collating the row with a collator built in the training
+    process: every rank's batch holds half the video's rows, with the record (a spawned worker has no process group:
+    the pickled collator brings the training process's cut)."""
+    out = Path(tempfile.mkdtemp(prefix="share-decode-workers-"))
+    run = launch(ROOT / "tests" / "helpers" / "share_decode_workers_script.py", [out], procs=2,
+                 env={"VLMCP_CP_SIZE": "2"}, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    whole = cases.GROUPS * 16
+    for rank in range(2):
+        held = json.loads((out / f"workers.rank{rank}.json").read_text())
+        assert held == {method: [whole // 2, True] for method in ("fork", "spawn", "forkserver")}, held

@@ -201,3 +201,17 @@ def run_pickled(rank: int, world_size: int) -> dict:
     finally:
         vlmcp_patch.enable(host_pixel_shares=True)
     return {"under_cp": under_cp, "cut_off": cut_off}
+
+
+class RowCollator:
+    """A data collator that builds the row with one `ShareDecoding` made in the training process (the running group's
+    cut, resolved where it is called: in a DataLoader worker, or with the pickled collator)."""
+
+    def __init__(self):
+        from vlmcp_patch.share_decode import ShareDecoding
+
+        self.decode = ShareDecoding(processor_with_videos())
+
+    def __call__(self, features) -> dict:
+        decodes = Decodes()
+        return dict(self.decode(text=TEXT, images=images(decodes), videos=[video_item(decodes)]))
