@@ -217,3 +217,96 @@ def test_dataloader_workers_of_every_start_method_decode_the_ranks_share():
     for rank in range(2):
         held = json.loads((out / f"workers.rank{rank}.json").read_text())
         assert held == {method: [whole // 2, True] for method in ("fork", "spawn", "forkserver")}, held
+
+
+def _pictures(tmp_path, sizes=((40, 30), (64, 64), (100, 20), (33, 77))) -> list[str]:
+    from vlmcp_patch.fixtures.data import make_image
+
+    paths = []
+    for i, (w, h) in enumerate(sizes):
+        paths.append(str(tmp_path / f"picture-{i}.png"))
+        make_image(w, h, seed=i).save(paths[-1])
+    return paths
+
+
+TWO_ROWS = ["a <|vision_start|><|image_pad|><|vision_end|> b <|vision_start|><|image_pad|><|vision_end|> c",
+            "<|vision_start|><|image_pad|><|vision_end|>d<|vision_start|><|image_pad|><|vision_end|> e"]
+
+
+@pytest.mark.parametrize("form", ["paths", "lazy", "per_row", "arrays", "tensors", "bounds_set"])
+def test_every_image_form_the_processor_takes_gives_its_own_batch(tmp_path, form):
+    """Images as paths, lazily opened files, a list per row, numpy arrays and torch tensors (channels first), and a
+    processor whose resize bounds were set: with no cut, the processor's own batch bit for bit."""
+    import numpy as np
+    from PIL import Image
+
+    from vlmcp_patch.fixtures.data import pil_image_processor
+
+    processor, paths = tiny_processor(), _pictures(tmp_path)
+    decoded = [Image.open(p).convert("RGB") for p in paths]
+    images, stock_images, options = {
+        "paths": (paths, decoded, {}),
+        "lazy": ([Image.open(p) for p in paths], decoded, {}),
+        "per_row": ([[Image.open(p) for p in paths[:2]], [Image.open(p) for p in paths[2:]]], decoded, {}),
+        "arrays": ([np.asarray(d) for d in decoded], [np.asarray(d) for d in decoded], {}),
+        "tensors": ([torch.from_numpy(np.asarray(d)).permute(2, 0, 1) for d in decoded],
+                    [torch.from_numpy(np.asarray(d)).permute(2, 0, 1) for d in decoded], {}),
+        "bounds_set": (paths, decoded, {}),
+    }[form]
+    if form == "bounds_set":
+        processor.image_processor = pil_image_processor(**{**processor.image_processor.to_dict(),
+                                                           "size": {"shortest_edge": 64, "longest_edge": 32 * 32}})
+    stock = processor(text=TWO_ROWS, images=stock_images, return_tensors="pt", padding=True, **options)
+    ours = ShareDecoding(processor)(text=TWO_ROWS, images=images, padding=True, **options)
+    assert sorted(ours) == sorted(stock)
+    for key in stock:
+        assert torch.equal(ours[key], stock[key]), key
+
+
+@pytest.mark.parametrize("options", [{"do_normalize": False}, {"merge_size": 1}, {"images_kwargs": {"do_resize": False}},
+                                     {"videos_kwargs": {"fps": 1}}, {"max_pixels": 1024}, {"size": {"longest_edge": 1}}])
+def test_an_image_or_video_option_in_the_call_raises_naming_it(tmp_path, options):
+    with pytest.raises(ValueError, match=f"was given {next(iter(options))} for this call"):
+        ShareDecoding(tiny_processor())(text=TWO_ROWS, images=_pictures(tmp_path), padding=True, **options)
+
+
+def test_the_digest_names_an_images_content_not_its_name(tmp_path, monkeypatch):
+    """The same file by a relative and an absolute path: one key; the same path with other bytes, a decoded image
+    drawn on after opening, palette images that differ only in their palette: other keys."""
+    from PIL import Image, ImageDraw
+
+    from vlmcp_patch.share_decode import _image_key
+
+    path = _pictures(tmp_path, sizes=((16, 16),))[0]
+    monkeypatch.chdir(tmp_path)
+    relative, absolute = _image_key(Image.open("picture-0.png")), _image_key(Image.open(path))
+    assert relative == absolute and relative.startswith("file-sha256:")
+    drawn = Image.open(path)
+    drawn.load()
+    ImageDraw.Draw(drawn).rectangle((0, 0, 3, 3), fill=(255, 0, 0))
+    assert _image_key(drawn) != absolute
+    Image.new("RGB", (16, 16), (1, 2, 3)).save(path)
+    assert _image_key(Image.open(path)) != absolute
+    first, second = Image.new("P", (4, 4), 0), Image.new("P", (4, 4), 0)
+    first.putpalette([255, 0, 0] * 256)
+    second.putpalette([0, 255, 0] * 256)
+    assert _image_key(first) != _image_key(second)
+
+
+def test_video_metadata_given_as_none_or_a_dict_and_the_callers_left_as_given():
+    from transformers.video_utils import VideoMetadata
+
+    from vlmcp_patch.share_decode import VideoItem
+
+    processor, decodes = cases.processor_with_videos(), cases.Decodes()
+    given = cases.video_item(decodes)
+    indices = list(range(cases.GROUPS * 2 - 1))  # an odd count: the expansion pads the indices it reads
+    metadata = VideoMetadata(total_num_frames=len(indices), fps=2.0, frames_indices=indices)
+    text = ["<|vision_start|><|video_pad|><|vision_end|>"]
+    outputs = {}
+    for name, value in {"object": metadata, "dict": {"total_num_frames": len(indices), "fps": 2.0,
+                                                     "frames_indices": list(indices)}, "none": None}.items():
+        video = VideoItem(given.grid, given.rows, given.key, value)
+        outputs[name] = ShareDecoding(processor, size=2, rank=0)(text=text, videos=[video])["input_ids"]
+    assert metadata.frames_indices == list(range(cases.GROUPS * 2 - 1))
+    assert torch.equal(outputs["object"], outputs["dict"]) and outputs["none"].shape[1] > 0

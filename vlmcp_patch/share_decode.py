@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,19 +64,18 @@ class _Source:
     key: str
 
 
-def image_grid(image_processor, height: int, width: int, **images_kwargs) -> tuple[int, int, int]:
+def image_grid(image_processor, height: int, width: int) -> tuple[int, int, int]:
     """(1, h, w) in patches: the grid the Qwen image processor gives an image of `height` x `width` pixels, by its own
     resize rule (`smart_resize` with its patch and merge sizes and pixel bounds), checked against its own patch count
     (`get_number_of_image_patches`, which vLLM relies on)."""
     smart_resize = sys.modules[type(image_processor).__module__].smart_resize  # the processor's own module's
-    size = images_kwargs.get("size") or image_processor.size
-    min_pixels = images_kwargs.get("min_pixels", size["shortest_edge"])
-    max_pixels = images_kwargs.get("max_pixels", size["longest_edge"])
+    size = image_processor.size
+    min_pixels, max_pixels = size["shortest_edge"], size["longest_edge"]
     patch, merge = image_processor.patch_size, image_processor.merge_size
     resized_h, resized_w = smart_resize(height, width, factor=patch * merge, min_pixels=min_pixels,
                                         max_pixels=max_pixels)
     grid = (1, resized_h // patch, resized_w // patch)
-    counted = image_processor.get_number_of_image_patches(height, width, images_kwargs)
+    counted = image_processor.get_number_of_image_patches(height, width, {})  # 5.2 reads the dict unguarded
     if grid[1] * grid[2] != counted:
         raise ValueError(f"the image processor counts {counted} patches for a {height} x {width} image, and its resize "
                          f"rule gives {grid[1]} x {grid[2]}: vlmcp_patch's reading of {type(image_processor).__name__} "
@@ -83,22 +83,65 @@ def image_grid(image_processor, height: int, width: int, **images_kwargs) -> tup
     return grid
 
 
+def _file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _image_key(image) -> str:
-    """What names an image for the agreement: its file when it was opened from one (not decoded yet), else a hash of
-    its pixels (already decoded)."""
+    """What names an image's content for the agreement: a PIL image opened from a file and not decoded yet, a hash of
+    the file's bytes (read, not decoded); any other image (decoded: its pixels may have been changed since), a hash
+    of its pixels with its mode, size, palette and transparency."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        import numpy as np
+
+        array = np.ascontiguousarray(image.numpy() if isinstance(image, torch.Tensor) else np.asarray(image))
+        return f"array-sha256:{hashlib.sha256(array.tobytes()).hexdigest()}:{array.shape}:{array.dtype}"
     name = getattr(image, "filename", "") or ""
-    if name:
-        return f"file:{name}"
-    return "pixels:" + hashlib.sha256(image.tobytes()).hexdigest() + f":{image.mode}:{image.size}"
+    if name and getattr(image, "tile", None) and os.path.isfile(name):
+        return "file-sha256:" + _file_digest(name)
+    digest = hashlib.sha256(image.tobytes())
+    digest.update(repr((image.mode, image.size, image.getpalette(), image.info.get("transparency"))).encode())
+    return "pixels-sha256:" + digest.hexdigest()
 
 
-def _image_source(image, image_processor, images_kwargs: dict) -> _Source:
-    width, height = image.size
+def _height_width(image) -> tuple[int, int]:
+    """An image's size in pixels, read without decoding it (a PIL image's header; an array's shape, channels where the
+    image processor would find them)."""
+    if hasattr(image, "size") and not callable(image.size) and not hasattr(image, "shape"):
+        width, height = image.size
+        return height, width
+    from transformers.image_utils import get_image_size, infer_channel_dimension_format, to_numpy_array
+
+    array = to_numpy_array(image)
+    return get_image_size(array, channel_dim=infer_channel_dimension_format(array))
+
+
+def _flat_images(images) -> list:
+    """The images of a call as the processor flattens them (one image, a list, a list of lists per row); a path is
+    opened lazily (its header read)."""
+    from PIL import Image
+
+    if images is None:
+        return []
+    if not isinstance(images, (list, tuple)):
+        images = [images]
+    flat = [image for item in images for image in (item if isinstance(item, (list, tuple)) else [item])]
+    return [Image.open(image) if isinstance(image, (str, os.PathLike)) else image for image in flat]
+
+
+def _image_source(image, image_processor) -> _Source:
+    height, width = _height_width(image)
 
     def rows(first: int, count: int) -> torch.Tensor:
-        return image_processor(images=[image], return_tensors="pt", **images_kwargs)["pixel_values"]
+        return image_processor(images=[image], return_tensors="pt")["pixel_values"]
 
-    return _Source(image_grid(image_processor, height, width, **images_kwargs), rows, _image_key(image))
+    return _Source(image_grid(image_processor, height, width), rows, _image_key(image))
 
 
 def _runs(grid: list[tuple[int, int, int]], rows: slice) -> list[tuple[int, int, int]]:
@@ -174,7 +217,34 @@ def _pixel_width(sub_processor) -> int:
 
 
 def _settings(sub_processor) -> dict:
-    return sub_processor.to_dict() if hasattr(sub_processor, "to_dict") else {}
+    """What decides the rows besides the items: the sub-processor's class and settings, and the releases that run
+    it."""
+    import PIL
+    import transformers
+
+    kind = type(sub_processor)
+    return {"class": f"{kind.__module__}.{kind.__qualname__}", "settings": sub_processor.to_dict(),
+            "transformers": transformers.__version__, "PIL": PIL.__version__}
+
+
+# Image options a processor call may carry besides the image processor's settings (folded into `size` when given).
+PIXEL_BOUNDS = ("min_pixels", "max_pixels")
+
+
+def _refuse_media_options(kwargs: dict, processor) -> None:
+    """Raises for an option of the image or video processor in a call's `kwargs` (flat, or under `images_kwargs` /
+    `videos_kwargs`): it would change rows and grids this decoder derives from the processor's own settings, and
+    releases read them differently (5.6 ignores `max_pixels` in a call, 5.25 deprecates it). Text options pass."""
+    settings = set(PIXEL_BOUNDS)
+    for name in ("image_processor", "video_processor"):
+        if getattr(processor, name, None) is not None:
+            settings |= set(getattr(processor, name).to_dict())
+    given = sorted(name for name in kwargs if name in settings or name in ("images_kwargs", "videos_kwargs"))
+    if given:
+        raise ValueError(f"ShareDecoding takes the image and video settings from the processor itself, and was given "
+                         f"{', '.join(given)} for this call: set them on the processor (e.g. "
+                         "processor.image_processor.size = {'shortest_edge': ..., 'longest_edge': ...}), or give a "
+                         "VideoItem the grid and rows they make")
 
 
 class ShareDecoding:
@@ -184,11 +254,13 @@ class ShareDecoding:
     `ShareDecoding(processor)(text=..., images=[...], videos=[VideoItem(...)], **kwargs)` returns the processor's
     `BatchFeature` for the batch — `input_ids`, `attention_mask`, `mm_token_type_ids`, `image_grid_thw`,
     `video_grid_thw` of the whole rows — with `pixel_values` / `pixel_values_videos` (rows, values) holding this rank's
-    rows only, and their share records. Images are PIL images (opened lazily, they are decoded only on the rank that
-    encodes them); videos are `VideoItem`s. `dtype`: the pixel values' dtype (None: the processor's, fp32); `size`,
-    `rank`: the CP group's size and this rank's place in it (default: the running group, `host_pixels.this_ranks_cut`;
-    none: every item decoded, no records). `**kwargs` go to the processor's call (text options: padding,
-    return_tensors is always "pt")."""
+    rows only, and their share records. Images as the processor takes them (one, a list, a list per row): PIL images
+    opened from files, or their paths, are decoded only on the rank that encodes them (any other image is hashed from
+    its pixels on every rank); videos are `VideoItem`s. `dtype`: the pixel values' dtype (None: the processor's,
+    fp32); `size`, `rank`: the CP group's size and this rank's place in it (default: the running group,
+    `host_pixels.this_ranks_cut`; none: every item decoded, no records). `**kwargs` go to the processor's call: text
+    options (padding, truncation, ...); an image or video option raises (`_refuse_media_options`: set it on the
+    processor). `return_tensors` is always "pt"."""
 
     def __init__(self, processor, *, dtype: torch.dtype | None = None, size: int | None = None,
                  rank: int | None = None, groups_per_call: int = GROUPS_PER_CALL):
@@ -214,13 +286,14 @@ class ShareDecoding:
     def __call__(self, text, images: Sequence | None = None, videos: Sequence[VideoItem] | None = None, **kwargs):
         from PIL import Image
 
+        kwargs = dict(kwargs)
         kwargs.pop("return_tensors", None)
-        images_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ("min_pixels", "max_pixels", "size")}
-        images, videos = list(images or []), list(videos or [])
+        _refuse_media_options(kwargs, self.processor)
+        images, videos = _flat_images(images), list(videos or [])
         modalities = []  # (pixels key, grid key, sources, sub-processor)
         stand_ins = {}
         if images:
-            sources = [_image_source(image, self.processor.image_processor, images_kwargs) for image in images]
+            sources = [_image_source(image, self.processor.image_processor) for image in images]
             modalities.append(("pixel_values", "image_grid_thw", sources, self.processor.image_processor))
             stand_ins["image_processor"] = {"pixel_values": torch.empty(0), "image_grid_thw": _grid(sources)}
         if videos:
@@ -230,7 +303,7 @@ class ShareDecoding:
                 raise ValueError(f"{type(self.processor).__name__} has no video processor: it cannot expand videos")
             modalities.append(("pixel_values_videos", "video_grid_thw", sources, video_processor))
             stand_ins["video_processor"] = {"pixel_values_videos": torch.empty(0), "video_grid_thw": _grid(sources),
-                                            "video_metadata": [copy.copy(v.metadata) for v in videos]}
+                                            "video_metadata": [_metadata(v, video_processor) for v in videos]}
         # The processor's own expansion over tiny stand-in inputs: its sub-processors are the grids-only stand-ins.
         expanding = copy.copy(self.processor)
         for name, outputs in stand_ins.items():
@@ -254,10 +327,25 @@ class ShareDecoding:
             batch[pixels_key] = decode_rows(sources, kept, _pixel_width(sub_processor), self.dtype,
                                             self.groups_per_call)
             if rows is not None:
-                digest = _recipe_digest(pixels_key, sources, _settings(sub_processor), self.dtype)
+                digest = _recipe_digest(pixels_key, sources, _settings(sub_processor),
+                                        batch[pixels_key].dtype)
                 batch[SHARE_RECORDS[pixels_key]] = torch.tensor([*cut, rows.start, rows.stop, whole, *digest],
                                                                 dtype=torch.float64)
         return batch
+
+
+def _metadata(video: VideoItem, video_processor):
+    """The metadata the processor's text expansion reads for `video`, a copy (the expansion pads its frame indices in
+    place): the item's (a `VideoMetadata`, or a dict of its fields), or what the video processor makes for frames
+    given without metadata (every frame, no frame rate: the expansion then warns and takes 24)."""
+    from transformers.video_utils import VideoMetadata
+
+    if video.metadata is None:
+        frames = video.grid[0] * video_processor.temporal_patch_size
+        return VideoMetadata(total_num_frames=frames, frames_indices=list(range(frames)))
+    if isinstance(video.metadata, dict):
+        return VideoMetadata(**copy.deepcopy(video.metadata))
+    return copy.deepcopy(video.metadata)
 
 
 def _grid(sources: Sequence[_Source]) -> torch.Tensor:
