@@ -15,9 +15,9 @@ give, but decodes and processes only this rank's items:
    the one the model's patch embedding casts to, which changes nothing: Qwen's patch embeddings cast their input to
    their weight's dtype first);
 4. beside them goes the record the forward reads (`SHARE_RECORDS`), whose fingerprint is a digest of the recipe (the
-   items' keys, grids and processor settings, the dtype) since no rank holds the whole tensor: identical recipes
-   decode identical pixels, and ranks given different recipes raise on every rank before compute, as ranks given
-   different pixels do.
+   items' keys and grids, the sub-processor's class and settings, the releases, the dtype) since no rank holds the
+   whole tensor: ranks given different recipes raise on every rank before compute. An image's key is its content (a
+   file's bytes, or its pixels); a video's is the caller's, and must name everything its rows depend on.
 
 With CP off (no group, or vision data parallelism or `host_pixel_shares` off) every item is decoded and no record is
 added: the batch then equals the processor's own output. Where the items do not balance (the forward shares them by
@@ -48,8 +48,10 @@ class VideoItem:
     """One video of a row, known before decoding: `grid` (temporal patch groups, height and width in patches), as the
     video processor's `video_grid_thw` gives it; `rows(first, count)` the pixel rows of groups first..first+count-1,
     ((count * h * w), values), exactly as the processor's `pixel_values_videos` hold them (every frame resized to the
-    whole video's size); `key` what names the video (its path, a content hash) for the ranks' agreement; `metadata`
-    what the processor's text expansion reads (Qwen3-VL: a `VideoMetadata` with `fps` and `frames_indices`)."""
+    whole video's size); `key` what names its rows for the ranks' agreement — the file's content (a hash), the frames
+    chosen, any transform and its seed: ranks whose keys agree are taken to decode the same rows; `metadata` what
+    the processor's text expansion reads (Qwen3-VL: a `VideoMetadata` with `fps` and `frames_indices`, or a dict of
+    them; None: every frame, no frame rate)."""
 
     grid: tuple[int, int, int]
     rows: Callable[[int, int], torch.Tensor]
