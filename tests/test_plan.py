@@ -239,20 +239,21 @@ def test_the_command_prints_the_longest_row_per_node(capsys):
     assert planning.main(["--model", "qwen3-vl-8b", "--longest", "--offload-checkpoints"]) == 0
     out = capsys.readouterr().out
     assert "longest video row on one node of 8 H100" in out and "one node of 8 H200" in out
-    assert re.search(r"device [\d.]+ of 69\.9 GiB per GPU .*; host [\d,]+ of 1,907 GiB per node \([\d,]+ the data "
-                     r"loaders': 1 row collating between steps, each rank decoding the whole row in fp32, and the next "
-                     r"batches cut; 0 workers\); (device|host) binds", out), out
+    assert re.search(r"device [\d.]+ of 69\.9 GiB per GPU .*; host [\d,]+ of 1,907 GiB per node, at its peak "
+                     r"between steps \(the data loaders' [\d,]+ there: 1 row collating between steps, each rank "
+                     r"decoding the whole row in fp32, the batches cut and pinned; 0 workers, 1 accumulation step\); "
+                     r"(device|host) binds", out), out
     assert "ALST (Llama-8B, 8 H100): 3.7M" in out
 
 
 def test_the_longest_row_and_alsts_are_in_the_same_millions(capsys):
-    """"M" is 1e6 tokens wherever the plan prints it, as ALST's published 3.7M is: the line's row, 2,104,320 tokens,
-    prints 2.10M (2**20 would print 2.01M), and so do the docs' table's rows (`longest_table`)."""
+    """"M" is 1e6 tokens wherever the plan prints it, as ALST's published 3.7M is: the line's row, 2,028,544 tokens,
+    prints 2.03M (2**20 would print 1.93M), and so do the docs' table's rows (`longest_table`)."""
     assert planning.main(["--model", "qwen3-vl-8b", "--longest", "--offload-checkpoints", "--offload-optimizer"]) == 0
     out = capsys.readouterr().out
     rows = re.findall(r"([\d,]+) tokens \(([\d.]+)M\)", out)
     assert len(rows) == 2 and all(f"{int(tokens.replace(',', '')) / 1e6:.2f}" == m for tokens, m in rows), out
-    assert ("2,104,320", "2.10") in rows
+    assert ("2,028,544", "2.03") in rows
     assert out.count(f"ALST (Llama-8B, 8 H100): {planning.ALST_LONGEST / 1e6:.1f}M") == 2
     table = re.findall(r"\| ([\d,]+) \(([\d.]+)M\) \|", planning.longest_table(gpus=("h100",)))
     assert table and all(f"{int(tokens.replace(',', '')) / 1e6:.2f}" == m for tokens, m in table)
@@ -264,8 +265,13 @@ def test_offload_moves_the_checkpoints_to_the_host_and_the_longest_row_grows():
     on_device, on_host = (plan("qwen3-vl-8b", row, sizes=[8], all_layouts=False, training=t)[0] for t in (base, offload))
     assert on_host.memory.total < on_device.memory.total and on_device.memory.host == 0 < on_host.memory.host
     assert on_host.memory.host_features == 0  # the collation, between steps, is the larger phase
+    assert on_host.memory.host_phase == "between steps"
     parts = (on_host.memory.host_pool + on_host.memory.host_optimizer + on_host.memory.host_batch
-             + on_host.memory.host_collation + on_host.memory.host_queued)
+             + on_host.memory.host_queued + on_host.memory.host_previous + on_host.memory.host_collation)
+    assert on_host.memory.host_terms() == {
+        "checkpoint pool": on_host.memory.host_pool, "optimizer": 0.0, "step's batches": on_host.memory.host_batch,
+        "queued batches": on_host.memory.host_queued, "previous batches": on_host.memory.host_previous,
+        "collation": on_host.memory.host_collation}
     assert on_host.host_gib_per_node == pytest.approx(8 * parts / 2**30 + on_host.host_allowance_gib)
     assert on_host.memory.host_pool >= on_host.memory.host > 0 and on_device.memory.host_pool == 0
     shorter, longer = (planning.longest_row("qwen3-vl-8b", "video", "h100", 8, t).tokens for t in (base, offload))
@@ -529,7 +535,9 @@ def priced_video(tokens: int, gpu: str = "h100", training: Training = ALST_SETUP
 # leave room for: with the whole row collated on every rank, the host binds first
 # (`test_the_data_loaders_rows_beside_the_step_are_priced_on_the_host`)
 SHARE_DECODED = replace(ALST_SETUP, collation="share")
-KEPT_FEATURES = replace(SHARE_DECODED, park_features=False)  # the vision features on the device, whatever the need
+# the share in bf16 (pinned, the host holds a longer row: 4.0M on 8 H100, where the features must be parked)
+SHARE_BF16 = replace(SHARE_DECODED, pixel_bytes=2)
+KEPT_FEATURES = replace(SHARE_BF16, park_features=False)  # the vision features on the device, whatever the need
 
 
 def test_the_features_go_to_the_host_only_where_the_row_needs_it():
@@ -591,7 +599,8 @@ def test_the_pixel_values_on_the_host_are_a_ranks_share_plus_one_item_in_fp32():
     assert planning.batch_host_bytes(dims, row, 8) == 32 * row.tokens + pixels / 8 + item
     assert planning.batch_host_bytes(dims, row, 1) == 32 * row.tokens + pixels
     assert planning.batch_host_bytes(dims, Row.text(2**21), 8) == 32 * 2**21
-    assert priced_video(2**21).memory.host_batch == planning.batch_host_bytes(dims, row, 8)
+    unpinned = priced_video(2**21, training=replace(ALST_SETUP, pin_memory=False)).memory
+    assert unpinned.host_batch == unpinned.host_queued == planning.batch_host_bytes(dims, row, 8)
 
 
 def test_the_allowance_per_rank_and_node_is_in_the_nodes_host():
@@ -599,7 +608,8 @@ def test_the_allowance_per_rank_and_node_is_in_the_nodes_host():
     allowance = planning.HOST_GIB_PER_RANK * 8 + planning.HOST_NODE_SHARE * planning.DGX_HOST_GIB
     assert r.host_allowance_gib == pytest.approx(allowance) == planning.allowance_bytes(8, planning.DGX_HOST_GIB) / GIB
     m = r.memory
-    parts = m.host_pool + m.host_optimizer + m.host_batch + m.host_collation + m.host_queued
+    parts = m.host_pool + m.host_optimizer + m.host_batch + m.host_queued + m.host_previous + m.host_collation
+    assert m.host_phase == "between steps" and m.host_collation > m.host_pinning
     assert r.host_gib_per_node == pytest.approx(8 * parts / GIB + allowance)
     assert planning.DGX_HOST_GIB == pytest.approx(1907.3, abs=0.1)  # 2 TB
     assert all(g.host_memory_gib == planning.DGX_HOST_GIB for g in planning.GPUS.values())
@@ -633,14 +643,14 @@ def test_the_margin_is_left_free_of_the_usable_memory():
 
 
 def test_the_data_loaders_rows_beside_the_step_are_priced_on_the_host(capsys):
-    """Each rank's data loader collates the next row — decoding the whole row: the items and their joined tensor,
-    twice its fp32 pixel values, and the share the cut copies out of them (benchmarks/host_pixels.py's own counts,
-    docs/memory.md); decoding only the rank's share (`collation="share"`, `share_decode`), the share's tensor and the
-    fp32 rows of the one processor call being written into it (16 temporal groups) — one row per
-    worker process (one in the training process without workers), and holds the next batches cut: Accelerate's, and
-    per worker one more of the two it queues. In ALST's setup on 8 H100 the host then binds at a shorter row than with
-    the share decoded, shorter still with two workers, and a row of 4.30M (the steady-state plan's longest) no longer
-    fits the host."""
+    """Each rank's data loader collates the next row — decoding the whole row: at the concatenation the items and
+    their joined tensor, twice its fp32 pixel values (the cut's share comes after the items are gone: whole + share,
+    less), benchmarks/host_pixels.py's own count, docs/memory.md; decoding only the rank's share
+    (`collation="share"`, `share_decode`), the share's tensor and the fp32 rows of the one processor call being
+    written into it (16 temporal groups) — one row per worker process (one in the training process without workers),
+    and holds the next batches cut: Accelerate's, and per worker one more of the two it queues. In ALST's setup on 8
+    H100 the host then binds at a shorter row than with the share decoded, shorter still with two workers, and a row
+    of 4.30M (the steady-state plan's longest) no longer fits the host."""
     from benchmarks.host_pixels import host_pixel_bytes
 
     dims = planning.model_dims("qwen3-vl-8b")
@@ -650,7 +660,8 @@ def test_the_data_loaders_rows_beside_the_step_are_priced_on_the_host(capsys):
     side = math.isqrt(row.patches_per_item) * dims.patch  # a temporal group of side x side frames
     counts = host_pixel_bytes(row.patches(dims), side, 8, 8)
     collating, cut = counts["collating"][0], counts["now"][0]
-    assert whole.host_collation == pytest.approx(collating + cut, rel=1e-9)
+    assert whole.host_collation == pytest.approx(collating, rel=1e-9) == 2 * counts["before"][0]
+    assert whole.host_collation > counts["before"][0] + cut  # the peak is the concatenation's, not the cut's
     call = planning.SHARE_DECODE_GROUPS_PER_CALL * 4 * dims.patch_values * row.patches_per_item
     assert share.host_collation == pytest.approx(cut + call, rel=1e-9) and call < cut / 100
     assert whole.host_queued == whole.host_batch == share.host_queued > cut
@@ -719,21 +730,24 @@ def test_without_workers_the_host_holds_the_collation_or_the_parked_features_nev
     larger of the step's parked features and the between-steps collation; with workers, their sum. Qwen3-VL-8B's
     longest share-decoded row on 8 H100 parks its features; priced as their sum it would not fit the host, and the
     same row with two workers does not."""
-    longest = planning.longest_row("qwen3-vl-8b", "video", "h100", 8, SHARE_DECODED)
+    longest = planning.longest_row("qwen3-vl-8b", "video", "h100", 8, SHARE_BF16)
     m = longest.row.memory
-    assert m.host_features > m.host_collation > 0 and not m.host_collation_beside_step
-    throughout = m.host_pool + m.host_optimizer + m.host_batch + m.host_queued
-    assert m.host_total == throughout + max(m.host_features, m.host_collation)
+    assert m.host_features > m.host_pinning > m.host_collation > 0 and not m.host_collation_beside_step
+    throughout = m.host_pool + m.host_optimizer + m.host_batch + m.host_queued + m.host_previous  # pinned: cached
+    assert m.host_throughout == throughout and m.host_previous_cached
+    assert m.host_total == throughout + max(m.host_features, m.host_collation, m.host_pinning)
+    assert m.host_phase == "during the step" and "collation" not in m.host_terms()
     as_if_beside = replace(m, host_collation_beside_step=True)
-    assert as_if_beside.host_total == throughout + m.host_features + m.host_collation
+    assert as_if_beside.host_total == throughout + m.host_features + m.host_collation + m.host_pinning
     allowance = longest.row.host_allowance_gib
     assert 8 * m.host_total / GIB + allowance <= planning.DGX_HOST_GIB < 8 * as_if_beside.host_total / GIB + allowance
     workers = planning.price("qwen3-vl-8b", Row.video(longest.tokens), 8, "h100",
-                             training=replace(SHARE_DECODED, loader_workers=2))
+                             training=replace(SHARE_BF16, loader_workers=2))
     w = workers.memory
     assert w.host_collation_beside_step and w.host_features > 0 and not workers.host_fits
-    assert w.host_total == w.host_pool + w.host_optimizer + w.host_batch + w.host_queued + w.host_features \
-        + w.host_collation
+    assert w.host_total == w.host_pool + w.host_optimizer + w.host_batch + w.host_queued + w.host_previous \
+        + w.host_features + w.host_collation + w.host_pinning
+    assert sum(w.host_terms().values()) == w.host_total
 
 
 def test_the_per_rank_decode_may_hand_over_the_pixels_in_the_models_dtype(capsys):
@@ -743,8 +757,9 @@ def test_the_per_rank_decode_may_hand_over_the_pixels_in_the_models_dtype(capsys
     and by the command. The longest share-decoded row grows."""
     dims = planning.model_dims("qwen3-vl-8b")
     row = Row.video(2**21)
+    unpinned = replace(SHARE_DECODED, pin_memory=False)  # the bytes themselves, no power-of-two blocks
     fp32, bf16 = (planning.price(dims, row, 8, "h100", training=t).memory
-                  for t in (SHARE_DECODED, replace(SHARE_DECODED, pixel_bytes=2)))
+                  for t in (unpinned, replace(unpinned, pixel_bytes=2)))
     ints = 32 * row.tokens
     assert bf16.host_batch - ints == (fp32.host_batch - ints) / 2 > 0
     call = planning.SHARE_DECODE_GROUPS_PER_CALL * 4 * dims.patch_values * row.patches_per_item  # fp32, either way
@@ -773,7 +788,8 @@ def test_the_longest_row_honours_the_host_memory_and_says_what_binds(capsys):
     assert planning.main(["--model", "qwen3-vl-8b", "--longest", "--offload-checkpoints", "--offload-optimizer",
                           "--host-memory-gib", "1000", "--margin", "0.1"]) == 0
     out = capsys.readouterr().out
-    assert len(re.findall(r"of 1,000 GiB per node \([\d,]+ the data loaders'[^)]*\); host binds", out)) == 2, out
+    assert len(re.findall(r"of 1,000 GiB per node, at its peak between steps \(the data loaders' [\d,]+ there:[^)]*\); "
+                          r"host binds", out)) == 2, out
     assert "usable less a 10% margin" in out
     small = planning.longest_row("qwen3-vl-8b", "video", "h100", 8, ALST_SETUP, host_memory_gib=1000)
     assert small.binds == "host" and small.row.host_gib_per_node <= 1000 and small.row.device_fits
@@ -829,3 +845,118 @@ def test_tiles_set_at_p1_are_priced_there_and_the_default_is_not():
     assert peak(sharding="zero3", vision_tile_patches=16384, mlp_tile_tokens=4096) == peak(sharding="zero3")
     assert peak(sharding="fsdp", vision_tile_patches=16384) == peak(sharding="fsdp")
     assert peak(sharding="fsdp", mlp_tile_tokens=4096) < peak(sharding="fsdp")
+
+
+def test_torch_pins_a_collated_batch_tensor_by_tensor_right_after_collating():
+    """What `host.loader_host` prices pinning on, read off torch itself: its DataLoader's pin function copies a
+    mapping value by value, each through its own `pin_memory()` (so each tensor is a block of the caching host
+    allocator), into a new mapping, the pageable one alive until it returns; with no workers the training process
+    pins right after the collate function returns (`_SingleProcessDataLoaderIter._next_data`)."""
+    import inspect
+
+    from torch.utils.data import _utils
+    from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+    pinned = []
+
+    class Tensorish:  # anything with `pin_memory` is pinned by its own method, as a tensor is
+        def __init__(self, name):
+            self.name = name
+
+        def pin_memory(self):
+            pinned.append(self.name)
+            return f"pinned {self.name}"
+
+    batch = {"input_ids": Tensorish("input_ids"), "labels": Tensorish("labels"),
+             "pixel_values_videos": Tensorish("pixel_values_videos")}
+    out = _utils.pin_memory.pin_memory(batch)
+    assert pinned == ["input_ids", "labels", "pixel_values_videos"]  # one call, one block, per tensor
+    assert out == {k: f"pinned {k}" for k in batch} and out is not batch and isinstance(batch["labels"], Tensorish)
+    source = inspect.getsource(_SingleProcessDataLoaderIter._next_data)
+    assert source.index("self._dataset_fetcher.fetch") < source.index("pin_memory(data")
+
+
+def test_pinned_batches_cost_a_power_of_two_block_per_tensor_and_stay_cached():
+    """Pinned (`Training.pin_memory`, the Trainer's default on a GPU): every batch on the host is its tensors' blocks
+    — four integer tensors and the pixel share, each rounded up to a power of two; the previous batch's blocks stay
+    in the allocator's cache through the step (three batches' blocks with no workers); between steps the pageable
+    collated batch while it is pinned, or the collation, whichever is larger. `--no-pin-memory` prices them as
+    bytes, the previous batch only between steps (as part of the collation's count). The longest row is shorter
+    pinned."""
+    dims, row = MODELS["qwen3-vl-8b"], Row.video(2**21)
+    share = 4 * dims.patch_values * (row.patches(dims) / 8 + row.patches_per_item)
+    block = planning.pinned_block_bytes
+    batch = 4 * block(8 * row.tokens) + block(share)
+    assert planning.batch_host_bytes(dims, row, 8, pinned=True) == batch == 4 * 2**24 + 2**33
+    pinned, unpinned = (priced_video(2**21, training=replace(SHARE_DECODED, pin_memory=p)).memory
+                        for p in (True, False))
+    assert pinned.host_batch == pinned.host_queued == pinned.host_previous == batch and pinned.host_previous_cached
+    assert pinned.host_pinning == unpinned.host_batch == 32 * row.tokens + share
+    assert pinned.host_phase == "between steps"
+    assert pinned.host_total == (pinned.host_pool + pinned.host_optimizer + 3 * batch
+                                 + max(pinned.host_pinning, pinned.host_collation))
+    # at 2M tokens the share's processor call (77 MB) outweighs the batch's integers (67 MB); at 3M the reverse
+    assert pinned.host_terms().keys() >= {"collation"} and "pinning" not in pinned.host_terms()
+    longer = priced_video(3_000_000, training=SHARE_DECODED).memory
+    assert longer.host_pinning > longer.host_collation and longer.host_terms()["pinning"] == longer.host_pinning
+    assert unpinned.host_previous == 0 and unpinned.host_pinning == 0 and not unpinned.host_previous_cached
+    assert unpinned.host_total == (unpinned.host_pool + unpinned.host_optimizer + 2 * unpinned.host_batch
+                                   + unpinned.host_collation)
+    assert pinned.host_pool == unpinned.host_pool and pinned.host_total > unpinned.host_total
+    for setup in (ALST_SETUP, SHARE_DECODED, SHARE_BF16):
+        shorter, longer = (planning.longest_row(dims, "video", "h100", 8, replace(setup, pin_memory=p)).tokens
+                           for p in (True, False))
+        assert shorter < longer
+
+
+def test_gradient_accumulation_holds_two_optimizer_steps_of_batches_between_steps(capsys):
+    """`--accumulation-steps K`: the Trainer takes an optimizer step's K batches at once (`get_batch_samples`) and
+    still holds the previous K while it does: between steps 2K batches and the collation (unpinned), 2K + 1 pinned
+    batches' blocks throughout (pinned); during the step K and the queued one. The longest row shrinks with K."""
+    dims, row = MODELS["qwen3-vl-8b"], Row.video(2**21)
+    for pin in (True, False):
+        one, four = (priced_video(2**21, training=replace(SHARE_DECODED, pin_memory=pin, accumulation_steps=k)).memory
+                     for k in (1, 4))
+        batch = planning.batch_host_bytes(dims, row, 8, pinned=pin)
+        assert four.host_batch == 4 * batch and four.host_queued == one.host_queued == batch
+        assert four.host_previous == (4 if pin else 3) * batch
+        step = four.host_pool + four.host_optimizer + 5 * batch + (4 * batch if pin else 0)
+        between = four.host_pool + four.host_optimizer + (9 * batch if pin else 8 * batch) + max(
+            four.host_collation, four.host_pinning)
+        assert four.host_total == max(step, between) == between
+    shorter, longer = (planning.longest_row(dims, "video", "h100", 8, replace(SHARE_DECODED, accumulation_steps=k))
+                       for k in (4, 1))
+    assert shorter.tokens < longer.tokens
+    with pytest.raises(ValueError, match="accumulation_steps 0"):
+        priced_video(2**21, training=replace(SHARE_DECODED, accumulation_steps=0))
+    assert planning.main(["--longest", "--offload-checkpoints", "--collation", "share", "--accumulation-steps", "4",
+                          "--no-pin-memory"]) == 0
+    assert capsys.readouterr().out.count("the batches cut and not pinned; 0 workers, 4 accumulation steps") == 2
+    with pytest.raises(SystemExit):
+        planning.main(["--longest", "--accumulation-steps", "0"])
+    assert "an optimizer step takes at least 1 batch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("setup", [[], ["--collation", "share", "--pixel-dtype", "bf16"], ["--no-pin-memory"],
+                                   ["--loader-workers", "2"]])
+def test_the_longest_rows_host_adds_up_in_the_phase_it_counts(setup, capsys):
+    """The longest-row line's data-loader number is what the host total counts of the data loader, in the phase it
+    names; `--host-breakdown` prints every term per node, and they add up to the line's host total (the parked
+    features only where the step's phase is the larger, the collation or the pinning where between steps is)."""
+    assert planning.main(["--model", "qwen3-vl-8b", "--longest", "--offload-checkpoints", "--offload-optimizer",
+                          "--host-breakdown", *setup]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4
+    for line, breakdown in zip(lines[::2], lines[1::2]):
+        phase, loader = re.search(r"GiB per node, at its peak (between steps|during the step|beside the step) \(the "
+                                  r"data loaders' ([\d,]+) there", line).groups()
+        named, parts, total = re.fullmatch(r"  host per node, ([a-z ]+): (.*) = ([\d,.]+) GiB", breakdown).groups()
+        terms = {name: float(value.replace(",", "")) for name, value in
+                 (re.fullmatch(r"(.+) ([\d,.]+)", part).groups() for part in parts.split(" + "))}
+        number = lambda text: float(text.replace(",", ""))  # noqa: E731
+        assert named == phase and sum(terms.values()) == pytest.approx(number(total), abs=0.5)
+        assert number(total) == pytest.approx(number(re.search(r"host ([\d,]+) of", line)[1]), abs=0.5)
+        own = sum(v for k, v in terms.items() if k in planning.longest.LOADER_TERMS)
+        assert number(loader) == pytest.approx(own, abs=1)
+        assert ("parked features" in terms) == (phase != "between steps" and "vision features on the host" in line)
+        assert not ({"collation", "pinning"} <= terms.keys()) or phase == "beside the step"

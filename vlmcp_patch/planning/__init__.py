@@ -14,7 +14,8 @@ against measurements: docs/plan.md.
 
 The package, by concern: `dims` (model dimensions), `rows` (the row), `hardware` (GPUs and their links),
 `training` (the step's setup and the fitted constants), `layouts` (the package's U x R rules), `memory`, `host` (the
-node's host memory: pools, offloaded optimizer, batches, the allowance), `timing`,
+node's host memory: pools, offloaded optimizer, the data loader's batches, pinned or not, and collations, the
+allowance), `timing`,
 `table` (the plan's rows and their marks), `longest` (the longest row on one node), `printing` (the table and docs/plan.md's sizing table), `command`.
 """
 
@@ -28,14 +29,16 @@ from .host import (
     HOST_NODE_SHARE,
     SHARE_DECODE_GROUPS_PER_CALL,
     HostOptimizer,
+    LoaderHost,
     allowance_bytes,
     batch_host_bytes,
     checkpoint_pool_bytes,
+    loader_host,
     offloaded_optimizer_host,
     pinned_block_bytes,
 )
 from .layouts import candidate_sizes, layouts, package_ulysses, replicated
-from .longest import ALST_LONGEST, Longest, longest_lines, longest_row
+from .longest import ALST_LONGEST, Longest, host_breakdown, longest_lines, longest_row
 from .memory import (
     Memory,
     activation_memory,
@@ -66,7 +69,7 @@ from .training import CALIBRATED, Constants, Training
 
 __all__ = [
     "ALST_LONGEST", "DEVICE_MARGIN", "DGX_HOST_GIB", "HOST_GIB_PER_RANK", "HOST_NODE_SHARE", "HostOptimizer",
-    "SHARE_DECODE_GROUPS_PER_CALL",
+    "SHARE_DECODE_GROUPS_PER_CALL", "LoaderHost", "host_breakdown", "loader_host",
     "allowance_bytes", "batch_host_bytes", "checkpoint_pool_bytes", "flash_backward_scratch_bytes",
     "norm_tile_scratch_bytes", "offloaded_optimizer_host", "pinned_block_bytes", "price", "rotary_bytes",
     "CALIBRATED", "GIB", "GPUS", "MODELS", "SIZING_MODELS", "SIZING_TOKENS", "TILE_PASSES_BACKWARD",

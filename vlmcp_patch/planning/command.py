@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from .dims import MODELS, model_dims
 from .hardware import DEVICE_MARGIN, DGX_HOST_GIB, GPUS, hardware
-from .longest import longest_lines
+from .longest import host_breakdown, longest_lines
 from .printing import format_table, longest_table, sizing_table
 from .rows import Row
 from .table import plan
@@ -22,6 +22,13 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: a tile holds at least 1 (--no-mlp-tiles / --no-vision-tiles price "
                                          "tiling off)")
+    return value
+
+
+def _steps(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: an optimizer step takes at least 1 batch")
     return value
 
 
@@ -105,6 +112,16 @@ def main(argv=None) -> int:
     tr.add_argument("--loader-workers", type=int, default=0,
                     help="the data loader's worker processes (dataloader_num_workers; default 0, the HF Trainer's): "
                     "each collates a row at once and queues finished ones on the host")
+    tr.add_argument("--no-pin-memory", dest="pin_memory", action="store_false",
+                    help="price dataloader_pin_memory=False (by default the data loader pins each batch, as the HF "
+                    "Trainer does on a GPU machine: each tensor a power-of-two block of torch's caching host "
+                    "allocator)")
+    tr.add_argument("--accumulation-steps", type=_steps, default=1,
+                    help="gradient_accumulation_steps: the Trainer fetches an optimizer step's batches at once and "
+                    "holds the previous step's while it does (priced on the host; default 1)")
+    tr.add_argument("--host-breakdown", action="store_true",
+                    help="the host terms per node each total counts, in its phase: under each --longest line, and "
+                    "under the table one line per row")
     tr.add_argument("--chosen-only", action="store_true", help="only the package's layout at each P")
     tr.add_argument("--longest", action="store_true",
                     help="print only the longest row (video for a model with vision, else text) on one node of "
@@ -128,7 +145,8 @@ def main(argv=None) -> int:
                         tiled_mlp=a.tiled_mlp, tiled_vision=a.tiled_vision, recompute_norms=a.recompute_norms,
                         mlp_tile_tokens=a.mlp_tile_tokens, vision_tile_patches=a.vision_tile_patches,
                         collation=a.collation, loader_workers=a.loader_workers,
-                        pixel_bytes=PIXEL_DTYPES[a.pixel_dtype])
+                        pixel_bytes=PIXEL_DTYPES[a.pixel_dtype], pin_memory=a.pin_memory,
+                        accumulation_steps=a.accumulation_steps)
     rates = {k: getattr(a, k) for k in ("matmul_tflops", "attention_tflops", "deltanet_tflops", "nvlink_gbs",
                                          "ib_gbs", "ring_hidden")}
     rates["latency_s"] = a.latency_us * 1e-6 if a.latency_us else None
@@ -136,7 +154,7 @@ def main(argv=None) -> int:
     rates["host_memory_gib"], rates["margin"] = a.host_memory_gib, a.margin
     kind = "video" if dims.vision_depth else "text"
     if a.longest:
-        print("\n".join(longest_lines(dims, kind, training, a.gpus_per_node, **rates)))
+        print("\n".join(longest_lines(dims, kind, training, a.gpus_per_node, breakdown=a.host_breakdown, **rates)))
         return 0
     if a.tokens:
         row = Row(tokens=a.tokens, sample_tokens=a.sample_tokens)
@@ -151,7 +169,9 @@ def main(argv=None) -> int:
     rows = plan(dims, row, gpu=a.gpu, gpus_per_node=a.gpus_per_node, memory_gib=a.memory_gib, training=training,
                 sizes=a.sizes, max_gpus=a.max_gpus, all_layouts=not a.chosen_only, **rates)
     print(format_table(rows, dims, row, hardware(a.gpu, a.memory_gib, **rates), training, a.gpus_per_node))
+    if a.host_breakdown:  # each row's host terms per node, in the phase its total counts
+        print("\n".join(f"P={r.size} {r.ulysses}x{r.ring}:{host_breakdown(r)[1:]}" for r in rows))
     if not a.memory_gib:  # the node's longest row, for the GPUs' own memory
         print("\n".join(longest_lines(dims, "video" if row.vision_tokens else "text", training, a.gpus_per_node,
-                                      **rates)))
+                                      breakdown=a.host_breakdown, **rates)))
     return 0

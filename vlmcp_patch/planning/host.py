@@ -32,9 +32,10 @@ PROCESSOR_PIXEL_BYTES = PIXEL_DTYPES["fp32"]
 SHARE_DECODE_GROUPS_PER_CALL = 16
 # Batches each DataLoader worker prepares ahead (torch's `prefetch_factor` default)
 LOADER_PREFETCH = 2
-# The row's integer tensors as the data loader produces them, per token: input_ids, labels, attention_mask and
-# mm_token_type_ids (int64), the whole row on every rank of the group.
-BATCH_INT_BYTES = 32
+# The row's integer tensors as the data loader produces them: input_ids, labels, attention_mask and mm_token_type_ids,
+# int64 (8 bytes a token each), the whole row on every rank of the group; 32 bytes a token in all.
+BATCH_INT_TENSORS = 4
+BATCH_INT_BYTES = 8 * BATCH_INT_TENSORS
 
 # DeepSpeed ZeRO-3 splits each rank's optimizer partition into sub-groups of at most this many parameters (its
 # `sub_group_size` default), each with its own fp32 gradient buffer.
@@ -108,11 +109,20 @@ def item_patches(d: ModelDims, row: Row) -> int:
     return row.patches_per_item or (row.patches(d) if row.vision_tokens else 0)
 
 
-def batch_host_bytes(d: ModelDims, row: Row, size: int, pixel_bytes: int = PROCESSOR_PIXEL_BYTES) -> float:
+def batch_host_bytes(d: ModelDims, row: Row, size: int, pixel_bytes: int = PROCESSOR_PIXEL_BYTES,
+                     pinned: bool = False) -> float:
     """Host bytes of the batch one rank of a CP group of `size` holds: the row's integer tensors whole, and its share of
     the pixel values — 1/P of the row's plus one item (the ranks split the items; the one an edge cuts is held whole
-    by both), never more than the row's — `pixel_bytes` a value (the data loader's dtype: fp32 by default)."""
-    return BATCH_INT_BYTES * row.tokens + _pixel_bytes(d, row, size, pixel_bytes)
+    by both), never more than the row's — `pixel_bytes` a value (the data loader's dtype: fp32 by default).
+    `pinned`: as the data loader's pinned copy holds it (`Training.pin_memory`): torch pins each tensor of a batch on
+    its own (`torch/utils/data/_utils/pin_memory.py`: a mapping's values one by one, `tensor.pin_memory()` each), so
+    each is a block of torch's caching host allocator (`pinned_block_bytes`): the `BATCH_INT_TENSORS` integer tensors
+    and the pixel share (the grid and the cut's record, a few bytes each, are not priced)."""
+    pixels = _pixel_bytes(d, row, size, pixel_bytes)
+    if not pinned:
+        return BATCH_INT_BYTES * row.tokens + pixels
+    ints = BATCH_INT_TENSORS * pinned_block_bytes(BATCH_INT_BYTES // BATCH_INT_TENSORS * row.tokens)
+    return ints + pinned_block_bytes(pixels)
 
 
 def _pixel_bytes(d: ModelDims, row: Row, size: int, pixel_bytes: int = PROCESSOR_PIXEL_BYTES) -> float:
@@ -126,11 +136,14 @@ def _pixel_bytes(d: ModelDims, row: Row, size: int, pixel_bytes: int = PROCESSOR
 def collation_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole",
                          pixel_bytes: int = PROCESSOR_PIXEL_BYTES) -> float:
     """Host bytes one rank of a CP group of `size` holds while one collation of the next row runs, at its peak
-    (docs/memory.md, "what the data loader still materialises"; the decoded frames before the processor, uint8, the
-    processor's transients and the integer tensors the collation makes are not priced). `collation`:
-    - "whole": every item of the row decoded and their joined pixel tensor (twice the row's pixel values), and the
-      share the cut copies out of it before both go (`forward/host_pixels.keep_pixel_share`), all in the processor's
-      fp32 — the cut keeps the dtype, so `pixel_bytes` must be fp32's;
+    (docs/memory.md, "what the data loader still materialises"; the decoded frames before the processor, uint8 at the
+    source's resolution, the processor's transients and the integer tensors the collation makes are not priced here:
+    the collated batch, integers included, is `LoaderHost.pinning`'s). `collation`:
+    - "whole": every item of the row decoded, in the processor's fp32, and their joined pixel tensor: at the
+      concatenation the items and the joined tensor coexist (twice the row's pixel values); after it the cut copies
+      the share out of the joined tensor (`forward/host_pixels.keep_pixel_share`) while the items are gone (the whole
+      and the share), so the peak is twice the row's pixel values. The cut keeps the dtype, so `pixel_bytes` must be
+      fp32's;
     - "share": the per-rank decode (`vlmcp_patch.share_decode`): the share's one tensor, in its `dtype=`
       (`pixel_bytes` a value), and the one processor call whose fp32 rows are being written into it — at most
       `SHARE_DECODE_GROUPS_PER_CALL` of the row's largest items (a video's temporal groups; an image is a call of
@@ -146,21 +159,65 @@ def collation_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "wh
     if collation == "share":
         call = SHARE_DECODE_GROUPS_PER_CALL * PROCESSOR_PIXEL_BYTES * d.patch_values * item_patches(d, row)
         return share + min(call, _pixel_bytes(d, row, size))
-    return 2.0 * _pixel_bytes(d, row, 1) + (share if size > 1 else 0.0)
+    return 2.0 * _pixel_bytes(d, row, 1)
 
 
-def loader_host_bytes(d: ModelDims, row: Row, size: int, collation: str = "whole", workers: int = 0,
-                      pixel_bytes: int = PROCESSOR_PIXEL_BYTES) -> tuple[float, float]:
-    """(collating, queued): what one rank's data loader holds on the host besides the batch the step trains, with
-    `workers` worker processes (`DataLoader(num_workers=...)`; 0: collated in the training process), pixel values
-    `pixel_bytes` a value. Every collation that may run at once — one per worker, or the training process's own —
-    each at its peak (`collation_host_bytes`), and the finished batches waiting, each already cut to this rank's
-    share: Accelerate's, which the HF Trainer and TRL use, takes the next batch before it yields the current one,
-    and the workers' queues hold `LOADER_PREFETCH` batches per worker, one of them being collated. When the
-    collation runs, beside the step or between steps: `collation_beside_step`."""
-    collating = max(1, workers) * collation_host_bytes(d, row, size, collation, pixel_bytes)
-    queued = (1 + max(0, workers * LOADER_PREFETCH - workers)) * batch_host_bytes(d, row, size, pixel_bytes)
-    return collating, queued
+@dataclass(frozen=True)
+class LoaderHost:
+    """What one rank's data loader holds on the host, by term (`loader_host`), bytes:
+    - `batches`: the optimizer step's batches the Trainer holds during the step (`accumulation_steps` of them);
+    - `queued`: the finished batches waiting (Accelerate's next, and per worker one more of the `LOADER_PREFETCH` it
+      queues);
+    - `previous`: the previous optimizer step's batches, which the Trainer still holds while it fetches the next ones
+      (between steps). Pinned, their blocks stay in torch's caching host allocator during the step too, reused by the
+      next batches (`cached`: counted throughout); unpinned, one fewer is counted (the next batch's share is the
+      collation's own output) and only between steps;
+    - `collating`: the collations that may run at once, each at its peak (`collation_host_bytes`);
+    - `pinning`: with pinned memory, the collated batch's pageable copy while torch copies it into its pinned one
+      (0 unpinned);
+    - `beside_step`: whether `collating` and `pinning` run while the step does (`collation_beside_step`)."""
+
+    batches: float = 0.0
+    queued: float = 0.0
+    previous: float = 0.0
+    cached: bool = False
+    collating: float = 0.0
+    pinning: float = 0.0
+    beside_step: bool = False
+
+
+def loader_host(d: ModelDims, row: Row, size: int, t: Training) -> LoaderHost:
+    """What one rank's data loader holds on the host (`LoaderHost`), for `t`'s `loader_workers`, `collation`,
+    `pixel_bytes`, `pin_memory` and `accumulation_steps`, as torch's DataLoader, Accelerate's `DataLoaderShard` and
+    the HF Trainer's loop hold it (`collation_beside_step` for the phases):
+    - every collation that may run at once — one per worker, or the training process's own — each at its peak;
+    - each batch cut to this rank's share as it is collated (`integrations/placement.PixelShareCollator`, inside the
+      collate function), so the cut batch is what torch pins; the batches the Trainer holds (k = the accumulation
+      steps: `get_batch_samples` takes an optimizer step's k at once, and its `batch_samples` and `inputs` still
+      hold the previous k while it does), Accelerate's next (`DataLoaderShard.__iter__` takes the next batch before
+      it yields the current one) and the workers' queues (`LOADER_PREFETCH` per worker, one of them being
+      collated). (Accelerate's `send_to_device` moves a yielded batch's integer tensors to the device: priced on the
+      host here all the same, 32 bytes a token per batch, an overcount.)
+    - pinning (`pin_memory`, the Trainer's `dataloader_pin_memory`, True by default on a GPU machine): torch's
+      DataLoader copies each collated batch into pinned memory — with no workers in the training process itself,
+      right after the collate function returns (`_SingleProcessDataLoaderIter._next_data`), with workers in the
+      training process's pin thread (`_pin_memory_loop`) as the workers' batches arrive — tensor by tensor, each a
+      block of the caching host allocator, rounded up to a power of two (`batch_host_bytes(pinned=True)`); the
+      pageable batch lives until its pinned copy is made (`pinning`: between steps with no workers, when the
+      collation's transients are gone: the larger of the two counts; beside the step with workers). The allocator
+      keeps a freed block for the next request of its size (`CachingHostAllocator.h`: `maybe_cache_block`, no
+      limit by default), so the pinned blocks stay at their most in use at once: the step's k, the queued ones and
+      the previous k — 2k + 1 batches with no workers — in both phases."""
+    k, workers = t.accumulation_steps, t.loader_workers
+    if k < 1:
+        raise ValueError(f"accumulation_steps {k}: an optimizer step takes at least 1 batch")
+    batch = batch_host_bytes(d, row, size, t.pixel_bytes, pinned=t.pin_memory)
+    pageable = batch_host_bytes(d, row, size, t.pixel_bytes)
+    queued = 1 + max(0, workers * LOADER_PREFETCH - workers)
+    return LoaderHost(batches=k * batch, queued=queued * batch,
+                      previous=(k if t.pin_memory else k - 1) * batch, cached=t.pin_memory,
+                      collating=max(1, workers) * collation_host_bytes(d, row, size, t.collation, t.pixel_bytes),
+                      pinning=pageable if t.pin_memory else 0.0, beside_step=collation_beside_step(workers))
 
 
 def collation_beside_step(workers: int) -> bool:
@@ -174,23 +231,25 @@ def collation_beside_step(workers: int) -> bool:
     `get_batch_samples` while its `batch_samples` and `inputs` still hold batch n. So a rank's host holds, beside
     what lives throughout (the checkpoint pool, the offloaded optimizer):
     - between steps: the previous batch (held by the Trainer), the current one (held by Accelerate, `current_batch`)
-      and the collation of the next at its peak;
+      and the collation of the next at its peak, then (pinned) its pageable copy while it is pinned;
     - during the step: the current batch, the next one Accelerate queued (`next_batch`) and the vision features
       parked on the host (`offload.park_features`: the forward's, then their gradients in backward; none outside the
       step).
-    Two batches in both phases (`Memory.host_batch`, `host_queued`); the collation and the parked features never at
-    once. (With gradient accumulation the Trainer takes all of an optimizer step's batches at once: priced at 1.)"""
+    The collation and the parked features never at once (`loader_host` for the batches, pinned or not, with gradient
+    accumulation)."""
     return workers > 0
 
 
 def loader_text(t: Training) -> str:
-    """The data loader `loader_host_bytes` prices for `t`, in words."""
+    """The data loader `loader_host` prices for `t`, in words."""
     rows = max(1, t.loader_workers)
     decoding = "the whole row" if t.collation == "whole" else "its share"
     dtype = next(name for name, nbytes in PIXEL_DTYPES.items() if nbytes == t.pixel_bytes)
     when = "beside the step" if collation_beside_step(t.loader_workers) else "between steps"
-    return (f"{rows} row{'s' if rows > 1 else ''} collating {when}, each rank decoding {decoding} in {dtype}, and the "
-            f"next batches cut; {t.loader_workers} workers")
+    pinned = "pinned" if t.pin_memory else "not pinned"
+    return (f"{rows} row{'s' if rows > 1 else ''} collating {when}, each rank decoding {decoding} in {dtype}, the "
+            f"batches cut and {pinned}; {t.loader_workers} workers, {t.accumulation_steps} accumulation step"
+            f"{'s' if t.accumulation_steps > 1 else ''}")
 
 
 def allowance_bytes(ranks: int, node_gib: float) -> float:

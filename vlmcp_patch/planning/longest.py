@@ -63,9 +63,11 @@ ALST_LONGEST = 3.7e6  # DeepSpeed ALST's longest row on one node of 8 H100: Llam
 
 
 def longest_lines(model, kind: str, training: Training, gpus_per_node: int = 8, gpus=("h100", "h200"),
-                  **rates) -> list[str]:
+                  breakdown: bool = False, **rates) -> list[str]:
     """One line per GPU kind: the longest row on one node, its device peak and host per node against their budgets,
-    which one binds, its step and the copies; ALST's published row beside it."""
+    the phase the host's peak is in and the data loaders' part of it (`Memory.host_phase`, `host_terms`), which one
+    binds, its step and the copies; ALST's published row beside it. `breakdown`: under each line, every host term
+    per node the total counts (`host_breakdown`)."""
     lines = []
     for gpu in gpus:
         best = longest_row(model, kind, gpu, gpus_per_node, training, **rates)
@@ -74,25 +76,44 @@ def longest_lines(model, kind: str, training: Training, gpus_per_node: int = 8, 
             lines.append(f"longest {kind} row on {name}: under {STEP} tokens ({best.binds} binds)")
             continue
         r, tm, margin = best.row, best.row.time, hardware(gpu, **rates).margin
+        m = r.memory
         copies = (f"; copies {tm.offload_copies:.1f} s of which {tm.offload:.1f} s exposed"
                   if training.offload_checkpoints else "")
-        if r.memory.host_features:
-            features = r.memory.host_features * gpus_per_node / GIB
-            copies += ("; vision features on the host (the row needs it)" if r.memory.host_collation_beside_step else
+        if m.host_features:
+            features = m.host_features * r.ranks_per_node / GIB
+            counted = "parked features" in m.host_terms()
+            copies += ("; vision features on the host (the row needs it)" if m.host_collation_beside_step else
                        f"; vision features on the host (the row needs it: {features:,.0f} GiB per node during the "
-                       "step, when no row is collating; the host counts the larger of the two)")
+                       f"step, when no row is collating; {'counted' if counted else 'not counted'}: "
+                       f"{'larger' if counted else 'smaller'} than what the data loader adds between steps)")
         lines.append(f"longest {kind} row on {name}: {best.tokens:,} tokens ({best.tokens / 1e6:.2f}M) at U x R "
                      f"{r.ulysses} x {r.ring}; device {r.peak_gib:.1f} of {r.device_budget_gib:.1f} GiB per GPU "
                      f"(usable less a {margin:.0%} margin); host {r.host_gib_per_node:,.0f} of "
-                     f"{r.host_budget_gib:,.0f} GiB per node{_loader_text(r, training, gpus_per_node)}; {best.binds} "
+                     f"{r.host_budget_gib:,.0f} GiB per node{_loader_text(r, training)}; {best.binds} "
                      f"binds; step {tm.total:.0f} s{copies}; ALST (Llama-8B, 8 H100): {ALST_LONGEST / 1e6:.1f}M")
+        if breakdown:
+            lines.append(host_breakdown(r))
     return lines
 
 
-def _loader_text(r: PlanRow, training: Training, gpus_per_node: int) -> str:
-    """What the node's data loaders hold of its host total, and the loader priced (`host.loader_host_bytes`)."""
-    if not r.memory.host_collation:
-        return ""
-    loader = (r.memory.host_collation + r.memory.host_queued) * gpus_per_node / GIB
-    return f" ({loader:,.0f} the data loaders': {loader_text(training)})"
+# The data loader's terms of `Memory.host_terms`
+LOADER_TERMS = ("step's batches", "queued batches", "previous batches", "collation", "pinning")
 
+
+def _loader_text(r: PlanRow, training: Training) -> str:
+    """The phase the host total counts, what the node's data loaders hold of it there, and the loader priced
+    (`host.loader_host`)."""
+    terms = r.memory.host_terms()
+    loader = sum(v for k, v in terms.items() if k in LOADER_TERMS) * r.ranks_per_node / GIB
+    if not loader:
+        return ""
+    return f", at its peak {r.memory.host_phase} (the data loaders' {loader:,.0f} there: {loader_text(training)})"
+
+
+def host_breakdown(r: PlanRow) -> str:
+    """The host terms per node `PlanRow.host_gib_per_node` counts, in the phase it counts (`Memory.host_terms`),
+    and the allowance: they add up to it."""
+    terms = {k: v * r.ranks_per_node / GIB for k, v in r.memory.host_terms().items()}
+    terms["allowance"] = r.host_allowance_gib
+    parts = " + ".join(f"{k} {v:,.1f}" for k, v in terms.items())
+    return f"  host per node, {r.memory.host_phase}: {parts} = {r.host_gib_per_node:,.1f} GiB"

@@ -12,13 +12,7 @@ from ..tiles import NORM_BACKWARD_WIDTH, tile_tokens
 from ..tiles import mlp_tile_tokens as package_mlp_tile_tokens
 from ..vision_tiles import tile_patches
 from .dims import ModelDims
-from .host import (
-    batch_host_bytes,
-    checkpoint_pool_bytes,
-    collation_beside_step,
-    loader_host_bytes,
-    offloaded_optimizer_host,
-)
+from .host import checkpoint_pool_bytes, loader_host, offloaded_optimizer_host
 from .layouts import replicated
 from .rows import Row
 from .training import Constants, Training
@@ -153,17 +147,23 @@ class Memory:
     host: float = 0.0  # the checkpoint offload's bytes held in host memory by this rank (not on the device)
     host_pool: float = 0.0  # the host bytes its pool allocates to hold them (`offload.pool_bytes_for`)
     host_optimizer: float = 0.0  # the optimizer offloaded to the host, as DeepSpeed holds it (`host.HostOptimizer`)
-    host_batch: float = 0.0  # this rank's batch on the host: the row's integers, its share of the pixel values
+    host_batch: float = 0.0  # the step's batches on the host: the row's integers, this rank's share of the pixels
+    # (pinned: each tensor a caching-host-allocator block; with accumulation, the optimizer step's k batches)
     # the vision features parked on the host with the offload under CP (`offload.park_features`): the slice's merged
     # and deepstack features in forward, their gradients in backward (the forward's are gone by then: the model's
     # output does not hold them)
     host_features: float = 0.0
-    # the data loader's rows besides the step's batch (`host.loader_host_bytes`): those being collated, at their peak,
-    # and the finished batches waiting, each cut to this rank's share
-    host_collation: float = 0.0
+    # the data loader's (`host.loader_host`, `host.LoaderHost`): the optimizer step's batches are `host_batch`; the
+    # finished batches waiting, each cut to this rank's share; the previous step's batches the Trainer holds while it
+    # fetches (pinned: cached throughout, `host_previous_cached`; else between steps only); the rows being collated, at
+    # their peak; the pageable batch while it is pinned
     host_queued: float = 0.0
-    # whether the collations run while the step does (loader workers) or only between steps, when the parked
-    # features are gone (`host.collation_beside_step`)
+    host_previous: float = 0.0
+    host_previous_cached: bool = False
+    host_collation: float = 0.0
+    host_pinning: float = 0.0
+    # whether the collations (and the pinning) run while the step does (loader workers) or only between steps, when
+    # the parked features are gone (`host.collation_beside_step`)
     host_collation_beside_step: bool = True
     exchange: float = 0.0  # all-to-all send/receive buffers, ring K/V in flight, DeltaNet state gathers
     batch: float = 0.0  # the row's integer tensors (whole row on every rank) and this rank's pixel values
@@ -186,16 +186,59 @@ class Memory:
                       self.forward_decoder + self.forward_exchange))
 
     @property
-    def host_total(self) -> float:
-        """Host bytes this rank needs at its peak: what lives throughout — the checkpoint pool as allocated, the
-        offloaded optimizer, its batch and the data loader's batches waiting — plus, where the collations run beside
-        the step (loader workers), the parked vision features and the rows being collated; where they run only
-        between steps (no workers), the larger of the two, the step's parked features or the collation
-        (`host.collation_beside_step` says what lives in each phase)."""
-        throughout = self.host_pool + self.host_optimizer + self.host_batch + self.host_queued
+    def host_throughout(self) -> float:
+        """Host bytes that live through both phases: the checkpoint pool as allocated, the offloaded optimizer, the
+        step's batches, the queued ones and, pinned, the previous step's batches' cached blocks."""
+        return (self.host_pool + self.host_optimizer + self.host_batch + self.host_queued
+                + (self.host_previous if self.host_previous_cached else 0.0))
+
+    @property
+    def host_between_steps(self) -> float:
+        """What the data loader adds between steps (beside the step with loader workers): the previous step's
+        batches (unpinned), and the collation, then the pageable batch while it is pinned — one after the other in
+        the training process (the larger), at once with workers (their sum)."""
+        previous = 0.0 if self.host_previous_cached else self.host_previous
         if self.host_collation_beside_step:
-            return throughout + self.host_features + self.host_collation
-        return throughout + max(self.host_features, self.host_collation)
+            return previous + self.host_collation + self.host_pinning
+        return previous + max(self.host_collation, self.host_pinning)
+
+    @property
+    def host_total(self) -> float:
+        """Host bytes this rank needs at its peak: what lives throughout (`host_throughout`) plus, where the
+        collations run beside the step (loader workers), the parked vision features and the between-steps terms
+        (`host_between_steps`); where they run only between steps (no workers), the larger of the two phases' own
+        terms (`host.collation_beside_step` says what lives in each phase; `host_phase` which one is counted)."""
+        if self.host_collation_beside_step:
+            return self.host_throughout + self.host_features + self.host_between_steps
+        return self.host_throughout + max(self.host_features, self.host_between_steps)
+
+    @property
+    def host_phase(self) -> str:
+        """The phase `host_total` counts: "beside the step" (loader workers: both phases' terms at once), "during the
+        step" (the parked features the larger) or "between steps"."""
+        if self.host_collation_beside_step:
+            return "beside the step"
+        return "during the step" if self.host_features > self.host_between_steps else "between steps"
+
+    def host_terms(self) -> dict[str, float]:
+        """The terms `host_total` counts, by name, in its phase (`host_phase`); their sum is `host_total`. With no
+        workers the collation and the pinning are one after the other: the larger is counted. Those of 0 bytes among
+        the previous batches, the parked features, the collation and the pinning are left out."""
+        terms = {"checkpoint pool": self.host_pool, "optimizer": self.host_optimizer,
+                 "step's batches": self.host_batch, "queued batches": self.host_queued}
+        phase = self.host_phase
+        during, between = phase in ("beside the step", "during the step"), phase != "during the step"
+        if self.host_previous_cached or between:
+            terms["previous batches"] = self.host_previous
+        if during:
+            terms["parked features"] = self.host_features
+        if between:
+            if self.host_collation_beside_step or self.host_collation >= self.host_pinning:
+                terms["collation"] = self.host_collation
+            if self.host_collation_beside_step or self.host_pinning > self.host_collation:
+                terms["pinning"] = self.host_pinning
+        optional = ("previous batches", "parked features", "collation", "pinning")
+        return {k: v for k, v in terms.items() if v or k not in optional}  # a term of 0 adds nothing
 
 
 def static_memory(d: ModelDims, t: Training, world: int) -> tuple[float, float, float]:
@@ -362,9 +405,10 @@ def activation_memory(d: ModelDims, row: Row, t: Training, c: Constants, size: i
     m.batch = 32.0 * row.tokens + (0 if tile else b * patches * d.patch_values)
     m.rotary = rotary_bytes(d, t, local)
     m.host_pool = checkpoint_pool_bytes(m.host)
-    m.host_batch = batch_host_bytes(d, row, size, t.pixel_bytes)
-    m.host_collation, m.host_queued = loader_host_bytes(d, row, size, t.collation, t.loader_workers, t.pixel_bytes)
-    m.host_collation_beside_step = collation_beside_step(t.loader_workers)
+    loader = loader_host(d, row, size, t)
+    m.host_batch, m.host_queued, m.host_previous = loader.batches, loader.queued, loader.previous
+    m.host_previous_cached, m.host_collation, m.host_pinning = loader.cached, loader.collating, loader.pinning
+    m.host_collation_beside_step = loader.beside_step
     # parked: the features on the host, and while stock's forward prepares the decoder's inputs its own host copy of
     # each deepstack level (transformers 5.18+ joins each level's one-item tuple: `torch.cat`), gone when the decoder
     # reads the parked levels (`vision.use_the_routed_deepstack_levels`); in backward their gradients, as many bytes

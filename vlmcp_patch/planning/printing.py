@@ -55,7 +55,8 @@ def assumptions(dims: ModelDims, hw: Hardware, t: Training) -> list[str]:
         f"  host/node: {hw.host_memory_gib:,.0f} GiB per node (--host-memory-gib) for the checkpoint pools as "
         "allocated, the offloaded optimizer as DeepSpeed holds it (states and fp32 gradients, pinned blocks), every "
         "rank's batch (the row's integers, 1/P of its pixel values plus one item), its data loader's "
-        f"({loader_text(t)}: --loader-workers, --collation, --pixel-dtype) and an allowance of "
+        f"({loader_text(t)}: --loader-workers, --collation, --pixel-dtype, --no-pin-memory, --accumulation-steps; "
+        "--host-breakdown prints each term) and an allowance of "
         f"{HOST_GIB_PER_RANK:g} GiB per rank and {HOST_NODE_SHARE:.0%} of the node (docs/plan.md)",
         f"  attained rates: matmul {hw.matmul_tflops:g}, attention {hw.attention_tflops:g}, DeltaNet "
         f"{hw.deltanet_tflops:g} TFLOP/s; links NVLink {hw.nvlink_gbs:g} GB/s, IB {hw.ib_gbs:g} GB/s per GPU, "

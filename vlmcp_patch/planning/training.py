@@ -60,12 +60,20 @@ class Training:
     # Qwen-VL processors return; 2, bf16, only with collation "share" (the per-rank decode's `dtype=`: values in the
     # dtype the patch embedding computes in are bit-identical to stock's, which casts its input to its weight's
     # dtype first, `Qwen3VLVisionPatchEmbed.forward`). With "whole" every rank collates the processor's fp32 and the
-    # cut keeps that dtype: `host.loader_host_bytes` refuses 2 there
+    # cut keeps that dtype: `host.collation_host_bytes` refuses 2 there
     pixel_bytes: int = 4
     # the data loader's worker processes (`DataLoader(num_workers=...)`, the HF Trainer's `dataloader_num_workers`):
-    # each collates a row at once and queues finished ones (`host.loader_host_bytes`); 0, the Trainer's default:
+    # each collates a row at once and queues finished ones (`host.loader_host`); 0, the Trainer's default:
     # collated in the training process
     loader_workers: int = 0
+    # whether the data loader copies each collated batch into pinned memory (`DataLoader(pin_memory=...)`, the HF
+    # Trainer's `dataloader_pin_memory`, True by default where an accelerator is): each tensor of the batch then a
+    # power-of-two block of torch's caching host allocator, which keeps freed blocks for reuse (`host.loader_host`)
+    pin_memory: bool = True
+    # the optimizer step's micro-batches (the HF Trainer's `gradient_accumulation_steps`): the Trainer fetches them at
+    # once (`get_batch_samples`) and holds them through the step, and the previous step's while it fetches
+    # (`host.loader_host`); priced on the host only
+    accumulation_steps: int = 1
 
 
 @dataclass(frozen=True)
