@@ -517,7 +517,9 @@ def by_need_choice(setup: Setup) -> None:
     reads with a model loaded, that 1 GiB held takes 1 GiB off it and comes back once freed (the allocator's unused
     cache counted as room), and what this GPU, as one rank of a node of 8, would choose for Qwen3-VL-8B video rows
     (ZeRO-3, checkpointing, checkpoints offloaded): each row's switches and predicted peak beside the room left after
-    the weights, gradients and optimizer's share, or the refusal. The dry run stands a 141 GiB budget for the device."""
+    the weights, gradients and optimizer's share and the host's room for the pool and parked features
+    (`by_need.local_host_room`: the node's available memory shared by 8 ranks), or the refusal. The dry run stands a
+    141 GiB budget for the device."""
     from vlmcp_patch import by_need
     from vlmcp_patch.errors import UnsupportedSetupError
     from vlmcp_patch.planning import model_dims, static_memory
@@ -542,12 +544,15 @@ def by_need_choice(setup: Setup) -> None:
         del model
         device_room = by_need.local_room(torch.nn.Linear(1, 1, device=setup.device), setup.device)
         left = device_room - sum(static_memory(dims, base, 8))
+        host_room = by_need.local_host_room(setup.device)
+        host_text = "no limit" if host_room is None else f"{host_room / gib:.1f} GiB"
         setup.say(f"  one rank of 8, Qwen3-VL-8B: {device_room / gib:.2f} GiB room, {left / gib:.2f} GiB after the "
-                  "weights, gradients and optimizer's share")
+                  f"weights, gradients and optimizer's share; host room for its pool and parked features {host_text}")
         for tokens in (2**19, 2**20, 2**21, 2**22):
             row = Row.video(tokens)
             try:
-                switches, peak, why = by_need.choose(dims, row, base, 8, package_ulysses(dims, 8, 8), left)
+                switches, peak, why = by_need.choose(dims, row, base, 8, package_ulysses(dims, 8, 8), left,
+                                                     host_room)
                 on = ", ".join(by_need.LABELS[n] for n in switches.on()) or "none"
                 setup.say(f"  {tokens:>9,} tokens: switches {on}; predicted {peak / gib:.2f} GiB ({why})")
             except UnsupportedSetupError as refusal:

@@ -261,6 +261,19 @@ def test_the_features_go_to_the_host_by_need_and_change_no_bit():
         assert needed["loss"] == roomy["loss"] and res["same_bits"], rank
 
 
+def test_a_host_that_cannot_hold_the_features_refuses_on_every_rank_before_compute():
+    """Only the parked features fit the device, and one rank's host room is below the pool and features they need:
+    every rank raises, naming the host, before anything is parked; with the room lifted the same step parks them."""
+    from tests.helpers.by_need_cases import features_short_of_host
+
+    for rank, res in enumerate(run_distributed(features_short_of_host, 2, timeout=600)):
+        short, lifted = res["short"], res["lifted"]
+        assert short["error"] and "UnsupportedSetupError" in short["error"] and "host cannot hold" in short["error"]
+        assert not any(short["counts"].values()), (rank, short)
+        assert lifted["error"] is None and "features" in lifted["switches"], (rank, lifted)
+        assert any(lifted["counts"].values()), (rank, lifted)
+
+
 def test_the_features_are_chosen_only_with_the_offload_and_as_set(settings_back):
     """On Qwen3-VL-8B's 4M-token video row at P=8 with the tiles and norms on: the features on the host are a candidate
     only with the checkpoint offload on; a room between the two prices takes them, a roomy one leaves them; set to 0
@@ -288,6 +301,46 @@ def test_the_features_are_chosen_only_with_the_offload_and_as_set(settings_back)
         assert all(s.features for s in by_need.candidates())
     finally:
         vlmcp_patch.enable(offload_checkpoints=False, offload_features="auto")
+
+
+def test_features_the_host_cannot_hold_are_passed_over_or_refused_by_the_host(settings_back):
+    """On Qwen3-VL-8B's 4M-token video row at P=8 (checkpoints offloaded): with a device room only the parked
+    features fit, a host room below their pool and features refuses, naming the host's need and room; above it,
+    they are taken. With the norms left to the need too, a short host passes the features over for the next set
+    that fits the device, and the choice says why."""
+    import vlmcp_patch
+    from vlmcp_patch import by_need
+    from vlmcp_patch.errors import UnsupportedSetupError
+    from vlmcp_patch.planning import Row, Training, model_dims, package_ulysses
+
+    dims, row, ulysses = model_dims("qwen3-vl-8b"), Row.video(4 * 2**20), package_ulysses(model_dims("qwen3-vl-8b"), 8)
+    base = Training(gradient_checkpointing=True, sharding="zero3", offload_checkpoints=True, offload_optimizer=True)
+    vlmcp_patch.enable(mlp_tile_tokens="on", vision_tile_patches="on", recompute_norms=True, loss_chunk_tokens=4096,
+                       offload_checkpoints=True)
+    try:
+        kept_set, parked_set = by_need.candidates()
+        kept = by_need.predicted(dims, row, by_need._with(base, kept_set), 8, ulysses)
+        parked = by_need.predicted(dims, row, by_need._with(base, parked_set), 8, ulysses)
+        need = by_need.host_need(parked, parked_set)
+        assert need == parked.host_pool + parked.host_features > parked.host_features > 0
+        assert by_need.host_need(kept, kept_set) == 0
+        room = (kept.total + parked.total) / 2
+        with pytest.raises(UnsupportedSetupError, match=r"only with the vision features parked on the host.*need "
+                           r"[\d.]+ GiB, and [\d.]+ GiB of host memory are free") as refused:
+            by_need.choose(dims, row, base, 8, ulysses, room, 0.9 * need)
+        assert f"{need / 2**30:.2f} GiB" in str(refused.value) and f"{0.9 * need / 2**30:.2f} GiB" in str(refused.value)
+        chosen, _, why = by_need.choose(dims, row, base, 8, ulysses, room, 1.1 * need)
+        assert chosen.features and "would need" not in why
+        vlmcp_patch.enable(recompute_norms="auto")  # now a cheaper-than-everything set fits the device without them
+        sets = {tuple(s.on()): by_need.predicted(dims, row, by_need._with(base, s), 8, ulysses) for s in
+                by_need.candidates()}
+        # a room where the features alone (the cheaper switch) and the norms alone both fit the device
+        roomy_enough = max(sets[("vision", "mlp", "features")].total, sets[("norms", "vision", "mlp")].total)
+        chosen, _, why = by_need.choose(dims, row, base, 8, ulysses, roomy_enough, 1.0)
+        assert not chosen.features and chosen.norms and "features on host would need" in why, why
+        assert by_need.choose(dims, row, base, 8, ulysses, roomy_enough, None)[0].features  # no host limit known
+    finally:
+        vlmcp_patch.enable(offload_checkpoints=False, recompute_norms="auto")
 
 
 @pytest.mark.integration

@@ -14,15 +14,19 @@ At every CP forward, before any compute (`choose_switches`, called by `forward.t
 2. the room is read: the free device memory (`torch.cuda.mem_get_info`, plus what torch's allocator holds unused),
    capped by `VLMCP_DEVICE_MEMORY_GIB` where set (on a CPU that budget is the only limit: without it nothing is
    switched on by need), less a margin (the plan's `DEVICE_MARGIN` of the device's memory) and less the parameter gradients still to
-   come (trained parameters without a `.grad` yet: the backward allocates them beside the activations). The ranks
-   agree on the smallest room in the group: one all-reduce of one number, issued by every rank at every CP forward,
-   so no rank tiles alone;
+   come (trained parameters without a `.grad` yet: the backward allocates them beside the activations). Beside it the
+   host's room for a set that parks the vision features (`local_host_room`: `VLMCP_HOST_MEMORY_GIB`, else on an
+   accelerator the node's `MemAvailable` shared by its ranks plus what this rank's checkpoint pool already holds;
+   on a CPU no limit), against the pool and the parked features that set asks (`host_need`). The ranks agree on the
+   smallest rooms in the group: one all-reduce of two numbers, issued by every rank at every CP forward, so no rank
+   tiles or parks alone;
 3. among the sets the explicit settings allow (an explicit `VLMCP_MLP_TILE_TOKENS`, `VLMCP_RECOMPUTE_NORMS`,
    `VLMCP_VISION_TILE_PATCHES`, `VLMCP_LOSS_CHUNK` always wins), the cheapest whose predicted peak fits the room is
    taken: `SWITCHES` lists them cheapest first, and a set costs more than every set of cheaper switches only (the
    MLP tiles alone cost more than the other three together). A row that fits with none runs stock-fast, untiled.
-   A row that does not fit with every allowed switch raises on every rank before compute, naming the longest row
-   that fits and the P or settings that would fit this one;
+   A set that parks the features where the host cannot hold them is passed over (the choice says so). A row that
+   does not fit with every allowed switch raises on every rank before compute, naming the longest row that fits and
+   the P or settings that would fit this one — or, where only the host is short, the host's need and room;
 4. the replicas agree (`agreed_over_replicas`): a tiled MLP, a recomputed norm or a tiled tower delivers its weights'
    gradients at other points of the backward than stock, and ZeRO-1/2 fill their buckets in that arrival order, so
    every rank whose gradients are reduced together must run the same of those switches (`ORDERED`). The union over
@@ -133,11 +137,23 @@ def row_of_call(call: dict, tokens: int, samples: list, merge: int):
                samples=max(1, len(samples)))
 
 
-def predicted_peak(dims, row, training, size: int, ulysses: int) -> float:
-    """Bytes of the step's activations on the busiest rank, by the plan (`planning.activation_memory`)."""
+def predicted(dims, row, training, size: int, ulysses: int):
+    """The plan's `Memory` of the step on the busiest rank (`planning.activation_memory`)."""
     from .planning import CALIBRATED, activation_memory
 
-    return activation_memory(dims, row, training, CALIBRATED, size, ulysses).total
+    return activation_memory(dims, row, training, CALIBRATED, size, ulysses)
+
+
+def predicted_peak(dims, row, training, size: int, ulysses: int) -> float:
+    """Bytes of the step's activations on the busiest rank, by the plan (`planning.activation_memory`)."""
+    return predicted(dims, row, training, size, ulysses).total
+
+
+def host_need(memory, switches: Switches) -> float:
+    """Host bytes a set asks of this rank where it parks the vision features: the checkpoint pool as allocated and
+    the parked features (`Memory.host_pool`, `Memory.host_features`); 0 for a set that keeps them on the device (the
+    pool is the explicit checkpoint offload's, not a choice by need)."""
+    return memory.host_pool + memory.host_features if switches.features else 0.0
 
 
 def candidates(helps_chunk: bool = True) -> list[Switches]:
@@ -172,6 +188,35 @@ def local_room(model, device: torch.device) -> float | None:
     return free - margin() * total - (pending if torch.is_grad_enabled() else 0)
 
 
+def local_host_room(device: torch.device) -> float | None:
+    """Host bytes this rank's checkpoint pool and parked features may take, or None where no limit is known:
+    `VLMCP_HOST_MEMORY_GIB` where set; on an accelerator the node's available memory (`MemAvailable`) shared by its
+    local ranks, plus what this rank's pool already holds (allocated, so not available); on a CPU none."""
+    budget = SETTINGS.host_memory_gib * GIB
+    if budget:
+        return budget
+    available = _mem_available() if device.type != "cpu" else None
+    if available is None:
+        return None
+    from .distributed import node_size
+    from .offload import HOST_CHECKPOINTS
+
+    return available / max(1, node_size() or 1) + HOST_CHECKPOINTS.pool.reserved
+
+
+def _mem_available() -> float | None:
+    """The kernel's estimate of the memory available for new allocations without swapping (`/proc/meminfo`), bytes;
+    None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _local_numel(param: torch.Tensor) -> int:
     """The elements this rank holds of a parameter (an FSDP2 DTensor's local shard; a ZeRO-3 partition has none)."""
     local = getattr(param, "to_local", None)
@@ -185,13 +230,14 @@ def margin() -> float:
     return DEVICE_MARGIN
 
 
-def agreed_room(room: float | None, cp, device: torch.device) -> float | None:
-    """The smallest room of the CP group (None on every rank where none knows a limit): one all-reduce of one number
-    (`all_reduced`)."""
-    least = math.inf if room is None else room
+def agreed_rooms(room: float | None, host_room: float | None, cp,
+                 device: torch.device) -> tuple[float | None, float | None]:
+    """The smallest device room and host room of the CP group (each None on every rank where none knows a limit):
+    one all-reduce of two numbers (`all_reduced`)."""
+    least = [math.inf if r is None else r for r in (room, host_room)]
     if cp.group is not None and cp.size > 1:
-        (least,) = all_reduced([least], dist.ReduceOp.MIN, cp.group, device)
-    return None if math.isinf(least) else least
+        least = all_reduced(least, dist.ReduceOp.MIN, cp.group, device)
+    return tuple(None if math.isinf(r) else r for r in least)
 
 
 def all_reduced(values: list[float], op, group, device: torch.device) -> list[float]:
@@ -208,24 +254,35 @@ def all_reduced(values: list[float], op, group, device: torch.device) -> list[fl
 # The choice
 
 
-def choose(dims, row, base, size: int, ulysses: int, room: float | None) -> tuple[Switches, float, str]:
-    """The cheapest allowed set whose predicted peak fits `room` (module docstring, 3.): (switches, peak, why)."""
+def choose(dims, row, base, size: int, ulysses: int, room: float | None,
+           host_room: float | None = None) -> tuple[Switches, float, str]:
+    """The cheapest allowed set whose predicted peak fits `room` and, where it parks the vision features, whose host
+    need (`host_need`) fits `host_room` (module docstring, 3.): (switches, peak, why)."""
     from .loss import chunk_tokens
 
     local = math.ceil(row.tokens / size)
     sets = candidates(chunk_tokens(local, dims.hidden, dims.vocab) > SMALL_LOSS_CHUNK)
-    untiled = predicted_peak(dims, row, _with(base, sets[0]), size, ulysses)
-    if room is None:
+    first = predicted(dims, row, _with(base, sets[0]), size, ulysses)
+    untiled = first.total
+    if room is None and (host_room is None or host_need(first, sets[0]) <= host_room):
         return sets[0], untiled, "no memory limit known (on a CPU: VLMCP_DEVICE_MEMORY_GIB), nothing on by need"
+    short_of_host = None  # (host need, host room) of the cheapest set that fits the device but not the host
     for s in sets:  # priced one after the other, cheapest first: a roomy row prices one set only
-        peak = untiled if s is sets[0] else predicted_peak(dims, row, _with(base, s), size, ulysses)
-        if peak <= room:
-            by_need = [LABELS[n] for n in s.on() if explicit(n) is None]
-            if not by_need:
-                return s, peak, "the row fits without switches"
-            return s, peak, (f"without them {size_text(untiled)} > {size_text(room)}: "
-                             f"{', '.join(by_need)} on, the cheapest set that fits")
-    raise UnsupportedSetupError(refusal(dims, row, base, size, ulysses, room, (sets[-1], peak)))
+        memory = first if s is sets[0] else predicted(dims, row, _with(base, s), size, ulysses)
+        peak = memory.total
+        if room is not None and peak > room:
+            continue
+        if host_room is not None and host_need(memory, s) > host_room:
+            short_of_host = short_of_host or (host_need(memory, s), host_room)
+            continue
+        by_need = [LABELS[n] for n in s.on() if explicit(n) is None]
+        host = (f" ({LABELS['features']} would need {size_text(short_of_host[0])} of the host, "
+                f"{size_text(short_of_host[1])} free)") if short_of_host else ""
+        if not by_need:
+            return s, peak, "the row fits without switches" + host
+        return s, peak, (f"without them {size_text(untiled)} > {size_text(room)}: "
+                         f"{', '.join(by_need)} on, the cheapest set that fits{host}")
+    raise UnsupportedSetupError(refusal(dims, row, base, size, ulysses, room, (sets[-1], peak), short_of_host))
 
 
 def _with(base, s: Switches):
@@ -264,9 +321,21 @@ def longest_fitting(dims, row, training, size: int, ulysses: int, room: float) -
     return int(row.tokens * low)
 
 
-def refusal(dims, row, base, size: int, ulysses: int, room: float, best: tuple[Switches, float]) -> str:
-    """Why the row cannot run and what would: the longest row that fits as set, the switches or P that fit it."""
+def refusal(dims, row, base, size: int, ulysses: int, room: float | None, best: tuple[Switches, float],
+            short_of_host: tuple[float, float] | None = None) -> str:
+    """Why the row cannot run and what would: the longest row that fits as set, the switches or P that fit it; or,
+    where the only sets that fit the device park the vision features and the host cannot hold them
+    (`short_of_host`: their host need and the host's room), that."""
     from .planning import package_ulysses
+
+    if short_of_host is not None:
+        need, free = short_of_host
+        return (f"this row fits the device at P={size} only with the vision features parked on the host "
+                f"({LABELS['features']}), and the host cannot hold them: this rank's checkpoint pool and parked "
+                f"features need {size_text(need)}, and {size_text(free)} of host memory are free for it (the smallest "
+                "room in the CP group: the node's available memory shared by its ranks; VLMCP_HOST_MEMORY_GIB caps "
+                "it). Free host memory (fewer DataLoader workers, a smaller prefetch, the optimizer kept on the "
+                "device), or raise P.")
 
     switches, peak = best
     everything = _with(base, best[0])
@@ -327,8 +396,8 @@ def max_over_world(values: list[float], device: torch.device) -> list[float]:
     return all_reduced(values, dist.ReduceOp.MAX, world_group(), device)
 
 
-def fit_the_union(dims, row, base, size: int, ulysses: int, room: float | None,
-                  union: Switches) -> tuple[Switches, float, bool]:
+def fit_the_union(dims, row, base, size: int, ulysses: int, room: float | None, union: Switches,
+                  host_room: float | None = None) -> tuple[Switches, float, bool]:
     """(switches, peak, whether they fit `room`) for this replica's row under the replicas' union of the `ORDERED`
     switches: the cheapest allowed set with exactly the union's `ORDERED` switches (the head's chunk and the features
     on the host free per group). A switch the union brings can raise this row's peak — a tower of one tile keeps its
@@ -338,8 +407,9 @@ def fit_the_union(dims, row, base, size: int, ulysses: int, room: float | None,
     sets = [s for s in candidates() if all(getattr(s, n) == v for n, v in ordered.items())] or [union]
     peak = math.inf
     for s in sets:
-        peak = predicted_peak(dims, row, _with(base, s), size, ulysses)
-        if room is None or peak <= room:
+        memory = predicted(dims, row, _with(base, s), size, ulysses)
+        peak = memory.total
+        if (room is None or peak <= room) and (host_room is None or host_need(memory, s) <= host_room):
             return s, peak, True
     return sets[-1], peak, False
 
@@ -382,7 +452,7 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
         # a forward without a graph (a reference model's, an evaluation) runs with the last choice, agreed by every
         # replica; the same on every rank of the world (the same code runs there), no all-reduce
         return STATE.choice
-    room = agreed_room(local_room(model, device), ctx.cp, device)
+    room, host_room = agreed_rooms(local_room(model, device), local_host_room(device), ctx.cp, device)
     dims = _dims(model, dims_from_config)
     merge = dims.merge
     row = row_of_call(call, ctx.seq_len, ctx.segments, merge)
@@ -390,7 +460,7 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
     base = training_of(model, Switches())
     refusal = None
     try:
-        own, peak, why = choose(dims, row, base, ctx.cp.size, split.ulysses, room)
+        own, peak, why = choose(dims, row, base, ctx.cp.size, split.ulysses, room, host_room)
     except UnsupportedSetupError as error:  # said to the other replicas first, then raised
         own, peak, why, refusal = Switches(), math.inf, "", error
     # without a graph no gradient arrives: no agreement (nor a collective, which replicas with uneven evaluation
@@ -402,7 +472,7 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
     if refused_replica is not None:
         raise UnsupportedSetupError(another_replica_refused(refused_replica, ctx.cp.size))
     if torch.is_grad_enabled() and data_parallel_world_size() > 1:
-        switches, peak = check_the_union_fits(dims, row, base, ctx, room, own, switches, peak, device)
+        switches, peak = check_the_union_fits(dims, row, base, ctx, room, own, switches, peak, device, host_room)
     if switches != own:
         added = ", ".join(LABELS[n] for n in switches.on() if n not in own.on())
         why = (f"{why}; {added} on as another replica's row needs them (the replicas' gradients are reduced "
@@ -418,7 +488,7 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
 
 
 def check_the_union_fits(dims, row, base, ctx, room: float | None, own: Switches, union: Switches, own_peak: float,
-                         device: torch.device) -> tuple[Switches, float]:
+                         device: torch.device, host_room: float | None = None) -> tuple[Switches, float]:
     """(this replica's switches under the replicas' union, their predicted peak) (`fit_the_union`; `own` and
     `own_peak` where the union adds nothing), or `UnsupportedSetupError` on every rank of every replica when the union
     fits some replica's row nowhere: one more MAX over the world (1 + the index of a replica that overflows), issued
@@ -426,7 +496,7 @@ def check_the_union_fits(dims, row, base, ctx, room: float | None, own: Switches
     from .distributed import data_parallel_rank
 
     switches, peak, fits = (own, own_peak, True) if union == own else \
-        fit_the_union(dims, row, base, ctx.cp.size, ctx.split.ulysses, room, union)
+        fit_the_union(dims, row, base, ctx.cp.size, ctx.split.ulysses, room, union, host_room)
     (overflow,) = max_over_world([0.0 if fits else data_parallel_rank() + 1.0], device)
     if overflow:
         replica = int(overflow) - 1

@@ -15,6 +15,7 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_RECOMPUTE_NORMS` | `recompute_norms` | auto | the RMSNorms keep their input only (`tiles.py`; auto: by need under CP; 1 / 0) |
 | `VLMCP_VISION_TILE_PATCHES` | `vision_tile_patches` | auto | patches per tile of the vision tower (`vision_tiles.py`; auto: by need under CP; on / N: at any P; 0: off) |
 | `VLMCP_DEVICE_MEMORY_GIB` | `device_memory_gib` | the device's | GiB a rank's step may use, for the choice by need (`by_need.py`; on CPU: none, no limit) |
+| `VLMCP_HOST_MEMORY_GIB` | `host_memory_gib` | the node's | GiB of host memory a rank's checkpoint pool and parked vision features may take, for the choice by need (`by_need.py`; on an accelerator: the node's available memory shared by its ranks; on CPU: none, no limit) |
 | `VLMCP_OFFLOAD_CHECKPOINTS` | `offload_checkpoints` | off | the layers' checkpoints kept on the host (`offload.py`) |
 | `VLMCP_OFFLOAD_FEATURES` | `offload_features` | auto | under CP the vision features wait on the host between tower and decoder (`offload.park_features`; auto: by need with the checkpoint offload on; 1 / 0) |
 | `VLMCP_SPLIT_ROLLOUTS` | `split_rollouts` | off | TRL's RL rollouts: each rank of a CP group generates its share |
@@ -129,6 +130,10 @@ class Settings:
     # need (`by_need.py`): 0 reads the device (`torch.cuda.mem_get_info`); on a CPU, 0 sets no limit (nothing is
     # switched on by need), a number stands for a device of that much free memory (the tests drive the choice so).
     device_memory_gib: float = 0
+    # The host memory a rank's checkpoint pool and parked vision features may take, for the features' choice by need:
+    # 0 reads the node (`MemAvailable` shared by its local ranks, plus what this rank's pool already holds) on an
+    # accelerator, and sets no limit on a CPU; a number is that many GiB (the tests drive the choice so).
+    host_memory_gib: float = 0
 
     def validate(self) -> None:
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
@@ -151,10 +156,10 @@ class Settings:
             value = getattr(self, name)
             if value != AUTO and not isinstance(value, bool):
                 raise UnsupportedSetupError(f"{name} must be True, False or {AUTO!r}, got {value!r}")
-        memory = self.device_memory_gib
-        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory < 0:
-            raise UnsupportedSetupError(
-                f"device_memory_gib must be a number of GiB >= 0 (0: the device's), got {memory!r}")
+        for name, whose in (("device_memory_gib", "the device's"), ("host_memory_gib", "the node's")):
+            memory = getattr(self, name)
+            if isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory < 0:
+                raise UnsupportedSetupError(f"{name} must be a number of GiB >= 0 (0: {whose}), got {memory!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout < 0:
             raise UnsupportedSetupError(f"timeout must be a number of seconds >= 0, got {self.timeout!r}")
 
@@ -178,6 +183,7 @@ def _from_environment() -> Settings:
         offload_checkpoints=env_flag("VLMCP_OFFLOAD_CHECKPOINTS"),
         offload_features=env_flag("VLMCP_OFFLOAD_FEATURES", AUTO),
         device_memory_gib=env_float("VLMCP_DEVICE_MEMORY_GIB", 0),
+        host_memory_gib=env_float("VLMCP_HOST_MEMORY_GIB", 0),
     )
     settings.validate()
     return settings
@@ -205,6 +211,7 @@ def enable(
     offload_checkpoints: bool | None = None,
     offload_features: bool | str | None = None,
     device_memory_gib: float | None = None,
+    host_memory_gib: float | None = None,
 ) -> Settings:
     """Change the settings for every following forward; arguments left out keep their value.
 
@@ -228,6 +235,7 @@ def enable(
         "offload_checkpoints": offload_checkpoints,
         "offload_features": offload_features,
         "device_memory_gib": device_memory_gib,
+        "host_memory_gib": host_memory_gib,
     }
     new = dataclasses.replace(SETTINGS, **{k: v for k, v in given.items() if v is not None})
     new.validate()

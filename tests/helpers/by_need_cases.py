@@ -127,6 +127,44 @@ def budgets(rank: int, world_size: int, names=("roomy", "medium", "tight", "refu
 
 
 
+def features_short_of_host(rank: int, world_size: int) -> dict:
+    """`features_by_need`'s setup at the budget where only the parked features fit the device, with a host room
+    (`VLMCP_HOST_MEMORY_GIB`, on rank 1 only: the group agrees on its smallest room) below what the pool and the
+    features need: what each rank raises, and whether anything was parked; then the same step with the host room
+    lifted on every rank, which parks them."""
+    import vlmcp_patch
+    from vlmcp_patch import by_need
+    from vlmcp_patch.loss import chunk_tokens
+    from vlmcp_patch.offload import HOST_CHECKPOINTS
+
+    model, batch = model_and_row()
+    config = model.config.text_config
+    chunk = chunk_tokens(TOKENS // world_size, config.hidden_size, config.vocab_size)
+    vlmcp_patch.enable(cp_size=world_size, offload_checkpoints=True, mlp_tile_tokens="on", vision_tile_patches="on",
+                       recompute_norms=False, loss_chunk_tokens=chunk)
+    out = {}
+    try:
+        priced = prices(model, batch, world_size)
+        kept, parked = priced["sets"][("vision", "mlp")], priced["sets"][("vision", "mlp", "features")]
+        vlmcp_patch.enable(device_memory_gib=budget_for((kept + parked) / 2, priced["pending"]))
+        for name, host_gib in (("short", 1e-6 if rank == 1 else 0), ("lifted", 0)):
+            vlmcp_patch.enable(host_memory_gib=host_gib)
+            by_need.STATE.choice = None
+            HOST_CHECKPOINTS.counts.drain()
+            model.zero_grad(set_to_none=True)
+            try:
+                model(**batch).loss.backward()
+                out[name] = {"error": None, "switches": by_need.STATE.choice.switches.on()}
+            except Exception as error:  # noqa: BLE001 - reported to the test
+                out[name] = {"error": f"{type(error).__name__}: {error}"}
+            out[name]["counts"] = HOST_CHECKPOINTS.counts.drain()
+    finally:
+        vlmcp_patch.enable(cp_size=1, device_memory_gib=0, host_memory_gib=0, offload_checkpoints=False,
+                           mlp_tile_tokens="auto", vision_tile_patches="auto", recompute_norms="auto",
+                           loss_chunk_tokens=0)
+    return out
+
+
 def features_by_need(rank: int, world_size: int) -> dict:
     """The vision features parked on the host by need (`VLMCP_OFFLOAD_FEATURES=auto` with the checkpoint offload on):
     the tiles and norms set, the head's chunk set to its automatic size (so the features are the only switch left to
