@@ -127,6 +127,21 @@ def budgets(rank: int, world_size: int, names=("roomy", "medium", "tight", "refu
 
 
 
+def _features_left_to_the_need(model, batch: dict, world_size: int) -> tuple[dict, float, float]:
+    """CP on with the checkpoint offload, the tiles on, the norms off and the head's chunk at its automatic size, so
+    the features on the host are the only switch left to the need: (`prices`, the peak with the features kept, with
+    them parked)."""
+    import vlmcp_patch
+    from vlmcp_patch.loss import chunk_tokens
+
+    config = model.config.text_config
+    chunk = chunk_tokens(TOKENS // world_size, config.hidden_size, config.vocab_size)
+    vlmcp_patch.enable(cp_size=world_size, offload_checkpoints=True, mlp_tile_tokens="on", vision_tile_patches="on",
+                       recompute_norms=False, loss_chunk_tokens=chunk)
+    priced = prices(model, batch, world_size)
+    return priced, priced["sets"][("vision", "mlp")], priced["sets"][("vision", "mlp", "features")]
+
+
 def features_short_of_host(rank: int, world_size: int) -> dict:
     """`features_by_need`'s setup at the budget where only the parked features fit the device, with a host room
     (`VLMCP_HOST_MEMORY_GIB`, on rank 1 only: the group agrees on its smallest room) below what the pool and the
@@ -134,18 +149,12 @@ def features_short_of_host(rank: int, world_size: int) -> dict:
     lifted on every rank, which parks them."""
     import vlmcp_patch
     from vlmcp_patch import by_need
-    from vlmcp_patch.loss import chunk_tokens
     from vlmcp_patch.offload import HOST_CHECKPOINTS
 
     model, batch = model_and_row()
-    config = model.config.text_config
-    chunk = chunk_tokens(TOKENS // world_size, config.hidden_size, config.vocab_size)
-    vlmcp_patch.enable(cp_size=world_size, offload_checkpoints=True, mlp_tile_tokens="on", vision_tile_patches="on",
-                       recompute_norms=False, loss_chunk_tokens=chunk)
     out = {}
     try:
-        priced = prices(model, batch, world_size)
-        kept, parked = priced["sets"][("vision", "mlp")], priced["sets"][("vision", "mlp", "features")]
+        priced, kept, parked = _features_left_to_the_need(model, batch, world_size)
         vlmcp_patch.enable(device_memory_gib=budget_for((kept + parked) / 2, priced["pending"]))
         for name, host_gib in (("short", 1e-6 if rank == 1 else 0), ("lifted", 0)):
             vlmcp_patch.enable(host_memory_gib=host_gib)
@@ -172,18 +181,12 @@ def features_by_need(rank: int, world_size: int) -> dict:
     one. For each: the switches chosen, the tensors parked, the loss and every gradient of this rank."""
     import vlmcp_patch
     from vlmcp_patch import by_need
-    from vlmcp_patch.loss import chunk_tokens
     from vlmcp_patch.offload import HOST_CHECKPOINTS
 
     model, batch = model_and_row()
-    config = model.config.text_config
-    chunk = chunk_tokens(TOKENS // world_size, config.hidden_size, config.vocab_size)
-    vlmcp_patch.enable(cp_size=world_size, offload_checkpoints=True, mlp_tile_tokens="on", vision_tile_patches="on",
-                       recompute_norms=False, loss_chunk_tokens=chunk)
     out = {}
     try:
-        priced = prices(model, batch, world_size)
-        kept, parked = priced["sets"][("vision", "mlp")], priced["sets"][("vision", "mlp", "features")]
+        priced, kept, parked = _features_left_to_the_need(model, batch, world_size)
         out["prices"] = (kept, parked)
         for name, room in (("needed", (kept + parked) / 2), ("roomy", 1.25 * kept)):
             vlmcp_patch.enable(device_memory_gib=budget_for(room, priced["pending"]))

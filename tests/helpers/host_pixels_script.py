@@ -66,7 +66,9 @@ def _grads(model) -> dict:
             if p.grad is not None}
 
 
-def trainer_step(output_dir: str) -> tuple[PixelBytesProbe, dict]:
+def _one_trainer_step(output_dir: str, dataset, collator, batch_size: int) -> tuple[PixelBytesProbe, dict]:
+    """One HF Trainer (DDP) step of the test model over `dataset`: the pixel-bytes probe and the gradients the
+    optimizer would apply."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     grads = {}
@@ -77,12 +79,15 @@ def trainer_step(output_dir: str) -> tuple[PixelBytesProbe, dict]:
 
     model = _model()
     probe = PixelBytesProbe(model)
-    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, max_steps=1, learning_rate=1e-3,
-                             optim="sgd", report_to=[], save_strategy="no", use_cpu=True, seed=0,
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch_size, max_steps=1,
+                             learning_rate=1e-3, optim="sgd", report_to=[], save_strategy="no", use_cpu=True, seed=0,
                              remove_unused_columns=False)
-    Trainer(model=model, args=args, train_dataset=_samples(), data_collator=PaddingCollator(),
-            callbacks=[KeepGradients()]).train()
+    Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[KeepGradients()]).train()
     return probe, grads
+
+
+def trainer_step(output_dir: str) -> tuple[PixelBytesProbe, dict]:
+    return _one_trainer_step(output_dir, _samples(), PaddingCollator(), batch_size=2)
 
 
 def accelerate_step(output_dir: str, batches: int = 1) -> tuple[PixelBytesProbe, dict]:
@@ -142,21 +147,9 @@ def trainer_share_decode_step(output_dir: str) -> tuple[PixelBytesProbe, dict, d
     """One HF Trainer step on `share_decode_cases`' row, collated by `ShareDecodingCollator`; its facts: the whole
     row's pixel bytes and bound, and the groups and images this rank decoded."""
     from tests.helpers import share_decode_cases as cases
-    from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    grads, collator = {}, ShareDecodingCollator()
-
-    class KeepGradients(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            grads.update(_grads(model))
-
-    model = _model()
-    probe = PixelBytesProbe(model)
-    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=1, max_steps=1, learning_rate=1e-3,
-                             optim="sgd", report_to=[], save_strategy="no", use_cpu=True, seed=0,
-                             remove_unused_columns=False)
-    Trainer(model=model, args=args, train_dataset=[{"recipe": 0}], data_collator=collator,
-            callbacks=[KeepGradients()]).train()
+    collator = ShareDecodingCollator()
+    probe, grads = _one_trainer_step(output_dir, [{"recipe": 0}], collator, batch_size=1)
     facts = pixel_bound(cases.build(1, 0)[0], vlmcp_patch.cp_size())
     return probe, grads, {**facts, "groups": sorted(set(collator.decodes.groups)),
                           "images": sorted(set(collator.decodes.images))}
