@@ -29,7 +29,7 @@ def settings_back(reapply):
     import vlmcp_patch
 
     vlmcp_patch.enable(mlp_tile_tokens="auto", recompute_norms="auto", vision_tile_patches="auto",
-                       loss_chunk_tokens=0, device_memory_gib=0)
+                       loss_chunk_tokens=0, device_memory_gib=0, host_memory_gib=0)
     by_need.STATE.choice, by_need.STATE.logged, by_need.STATE.p1_logged = None, None, False
 
 
@@ -326,7 +326,7 @@ def test_features_the_host_cannot_hold_are_passed_over_or_refused_by_the_host(se
         assert by_need.host_need(kept, kept_set) == 0
         room = (kept.total + parked.total) / 2
         with pytest.raises(UnsupportedSetupError, match=r"only with the vision features parked on the host.*need "
-                           r"[\d.]+ GiB, and [\d.]+ GiB of host memory are free") as refused:
+                           r"[\d.]+ GiB, and the host's room for them is [\d.]+ GiB") as refused:
             by_need.choose(dims, row, base, 8, ulysses, room, 0.9 * need)
         assert f"{need / 2**30:.2f} GiB" in str(refused.value) and f"{0.9 * need / 2**30:.2f} GiB" in str(refused.value)
         chosen, _, why = by_need.choose(dims, row, base, 8, ulysses, room, 1.1 * need)
@@ -339,8 +339,34 @@ def test_features_the_host_cannot_hold_are_passed_over_or_refused_by_the_host(se
         chosen, _, why = by_need.choose(dims, row, base, 8, ulysses, roomy_enough, 1.0)
         assert not chosen.features and chosen.norms and "features on host would need" in why, why
         assert by_need.choose(dims, row, base, 8, ulysses, roomy_enough, None)[0].features  # no host limit known
+        vlmcp_patch.enable(offload_features=True)  # explicit settings win: parked whatever the host's room
+        for room in (roomy_enough, None):
+            chosen, _, why = by_need.choose(dims, row, base, 8, ulysses, room, 1.0)
+            assert chosen.features and "would need" not in why, why
     finally:
-        vlmcp_patch.enable(offload_checkpoints=False, recompute_norms="auto")
+        vlmcp_patch.enable(offload_checkpoints=False, recompute_norms="auto", offload_features="auto")
+
+
+def test_the_host_room_on_an_accelerator_is_the_nodes_available_memory_shared_by_its_ranks(monkeypatch, settings_back):
+    """`local_host_room` off a CPU (the meta device stands in for an accelerator here): the kernel's available memory
+    (within a cgroup's limit) over the ranks the launcher puts on the node, one without a launcher; a budget where
+    set; nothing on a CPU without one."""
+    import torch
+
+    import vlmcp_patch
+    from vlmcp_patch import by_need
+
+    available = by_need._mem_available()
+    assert available and available > 0
+    accelerator = torch.device("meta")
+    alone = by_need.local_host_room(accelerator)
+    assert abs(alone - available) < 0.05 * available
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert abs(by_need.local_host_room(accelerator) - alone / 4) < 0.05 * alone / 4
+    assert by_need.local_host_room(torch.device("cpu")) is None
+    vlmcp_patch.enable(host_memory_gib=3)
+    assert by_need.local_host_room(torch.device("cpu")) == by_need.local_host_room(accelerator) == 3 * 2**30
 
 
 @pytest.mark.integration

@@ -44,7 +44,7 @@ At every CP forward, before any compute (`choose_switches`, called by `forward.t
    switch is on, one tile included (`tiles.py`), so the switches alone set the arrival order, not the rows.
 
 Deciding at every forward with a graph (not only the first; a forward without one runs with the last choice, no
-collective) costs one number's all-reduce in the group, four flags' over the world (with replicas) and a few
+collective) costs one all-reduce of two numbers (the rooms) in the group, four flags' over the world (with replicas) and a few
 microseconds of arithmetic, and follows what the first step cannot see: an optimizer that creates its states at its
 first step leaves less room from the second forward on, and a longer row later is priced as itself. Every rank of a
 group has the same row (the agreement checks it) and the same agreed room, so every rank takes the same decision.
@@ -150,10 +150,16 @@ def predicted_peak(dims, row, training, size: int, ulysses: int) -> float:
 
 
 def host_need(memory, switches: Switches) -> float:
-    """Host bytes a set asks of this rank where it parks the vision features: the checkpoint pool as allocated and
-    the parked features (`Memory.host_pool`, `Memory.host_features`); 0 for a set that keeps them on the device (the
-    pool is the explicit checkpoint offload's, not a choice by need)."""
-    return memory.host_pool + memory.host_features if switches.features else 0.0
+    """Host bytes a set asks of this rank where it parks the vision features by need: the checkpoint pool as
+    allocated and the parked features (`Memory.host_pool`, `Memory.host_features`); 0 for a set that keeps them on
+    the device, or parks them because `VLMCP_OFFLOAD_FEATURES=1` says so (explicit settings win; the pool is the
+    explicit checkpoint offload's)."""
+    parked_by_need = switches.features and explicit("features") is None
+    return memory.host_pool + memory.host_features if parked_by_need else 0.0
+
+
+def _host_short(memory, switches: Switches, host_room: float | None) -> bool:
+    return host_room is not None and host_need(memory, switches) > host_room
 
 
 def candidates(helps_chunk: bool = True) -> list[Switches]:
@@ -198,23 +204,39 @@ def local_host_room(device: torch.device) -> float | None:
     available = _mem_available() if device.type != "cpu" else None
     if available is None:
         return None
-    from .distributed import node_size
+    from .distributed import distributed_ready, node_size
     from .offload import HOST_CHECKPOINTS
 
-    return available / max(1, node_size() or 1) + HOST_CHECKPOINTS.pool.reserved
+    # no launcher stating a node size and one host name: every rank of the world is on this node
+    ranks = node_size() or (dist.get_world_size() if distributed_ready() else 1)
+    return available / max(1, ranks) + HOST_CHECKPOINTS.pool.reserved
 
 
 def _mem_available() -> float | None:
-    """The kernel's estimate of the memory available for new allocations without swapping (`/proc/meminfo`), bytes;
-    None where it cannot be read."""
+    """Bytes available for new allocations without swapping: the kernel's estimate (`/proc/meminfo` `MemAvailable`),
+    within this process's cgroup's limit where one is set (a container's: v2 `memory.max` less `memory.current`,
+    v1 `memory.limit_in_bytes` less `memory.usage_in_bytes`); None where the kernel's cannot be read."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
+                    available = float(line.split()[1]) * 1024
     except OSError:
         return None
-    return None
+    if available is None:
+        return None
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as f, open(usage) as g:
+                cap, used = f.read().strip(), g.read().strip()
+        except OSError:
+            continue
+        if cap.isdigit() and used.isdigit():
+            available = min(available, float(int(cap) - int(used)))
+        break
+    return available
 
 
 def _local_numel(param: torch.Tensor) -> int:
@@ -264,7 +286,7 @@ def choose(dims, row, base, size: int, ulysses: int, room: float | None,
     sets = candidates(chunk_tokens(local, dims.hidden, dims.vocab) > SMALL_LOSS_CHUNK)
     first = predicted(dims, row, _with(base, sets[0]), size, ulysses)
     untiled = first.total
-    if room is None and (host_room is None or host_need(first, sets[0]) <= host_room):
+    if room is None and not _host_short(first, sets[0], host_room):  # sets[0] parks nothing by need: never short
         return sets[0], untiled, "no memory limit known (on a CPU: VLMCP_DEVICE_MEMORY_GIB), nothing on by need"
     short_of_host = None  # (host need, host room) of the cheapest set that fits the device but not the host
     for s in sets:  # priced one after the other, cheapest first: a roomy row prices one set only
@@ -272,12 +294,12 @@ def choose(dims, row, base, size: int, ulysses: int, room: float | None,
         peak = memory.total
         if room is not None and peak > room:
             continue
-        if host_room is not None and host_need(memory, s) > host_room:
+        if _host_short(memory, s, host_room):
             short_of_host = short_of_host or (host_need(memory, s), host_room)
             continue
         by_need = [LABELS[n] for n in s.on() if explicit(n) is None]
-        host = (f" ({LABELS['features']} would need {size_text(short_of_host[0])} of the host, "
-                f"{size_text(short_of_host[1])} free)") if short_of_host else ""
+        host = (f" ({LABELS['features']} would need {size_text(short_of_host[0])} of the host, whose room for "
+                f"them is {size_text(short_of_host[1])})") if short_of_host else ""
         if not by_need:
             return s, peak, "the row fits without switches" + host
         return s, peak, (f"without them {size_text(untiled)} > {size_text(room)}: "
@@ -330,12 +352,13 @@ def refusal(dims, row, base, size: int, ulysses: int, room: float | None, best: 
 
     if short_of_host is not None:
         need, free = short_of_host
+        source = ("VLMCP_HOST_MEMORY_GIB" if SETTINGS.host_memory_gib else
+                  "the node's available memory shared by its ranks, within its cgroup's limit")
         return (f"this row fits the device at P={size} only with the vision features parked on the host "
                 f"({LABELS['features']}), and the host cannot hold them: this rank's checkpoint pool and parked "
-                f"features need {size_text(need)}, and {size_text(free)} of host memory are free for it (the smallest "
-                "room in the CP group: the node's available memory shared by its ranks; VLMCP_HOST_MEMORY_GIB caps "
-                "it). Free host memory (fewer DataLoader workers, a smaller prefetch, the optimizer kept on the "
-                "device), or raise P.")
+                f"features need {size_text(need)}, and the host's room for them is {size_text(free)} (the smallest "
+                f"in the CP group; from {source}). Free host memory (fewer DataLoader workers, a smaller prefetch, "
+                "the optimizer kept on the device), or raise P.")
 
     switches, peak = best
     everything = _with(base, best[0])
@@ -409,7 +432,7 @@ def fit_the_union(dims, row, base, size: int, ulysses: int, room: float | None, 
     for s in sets:
         memory = predicted(dims, row, _with(base, s), size, ulysses)
         peak = memory.total
-        if (room is None or peak <= room) and (host_room is None or host_need(memory, s) <= host_room):
+        if (room is None or peak <= room) and not _host_short(memory, s, host_room):
             return s, peak, True
     return sets[-1], peak, False
 

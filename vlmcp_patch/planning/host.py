@@ -215,7 +215,9 @@ def loader_host(d: ModelDims, row: Row, size: int, t: Training) -> LoaderHost:
     pageable = batch_host_bytes(d, row, size, t.pixel_bytes)
     queued = 1 + max(0, workers * LOADER_PREFETCH - workers)
     return LoaderHost(batches=k * batch, queued=queued * batch,
-                      previous=(k if t.pin_memory else k - 1) * batch, cached=t.pin_memory,
+                      # unpinned with no workers the collation's own output becomes the next batch; with workers
+                      # the Trainer's previous k are held beside the queues and the collations in flight
+                      previous=(k if t.pin_memory or workers > 0 else k - 1) * batch, cached=t.pin_memory,
                       collating=max(1, workers) * collation_host_bytes(d, row, size, t.collation, t.pixel_bytes),
                       pinning=pageable if t.pin_memory else 0.0, beside_step=collation_beside_step(workers))
 
