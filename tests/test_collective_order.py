@@ -194,7 +194,15 @@ def failures_of_this_rank(rank: int, world_size: int) -> dict:
                 attempt()
             except Exception as error:  # noqa: BLE001 - the test reads it
                 seen[name] = (type(error).__name__, str(error))
-    dist.barrier(group=group)  # the group still works: nothing was left half-done
+    # The group still works: nothing was left half-done. gloo's barrier also waits on work still listed in progress,
+    # which for a moment after its wait raised can be the refused all-to-all, whose error it then raises once more
+    # (seen under load); the second barrier finds the group clear.
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as error:
+        if "Split sizes" not in str(error):
+            raise
+        dist.barrier(group=group)
     return seen
 
 
