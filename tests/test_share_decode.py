@@ -263,8 +263,9 @@ def test_every_image_form_the_processor_takes_gives_its_own_batch(tmp_path, form
         assert torch.equal(ours[key], stock[key]), key
 
 
-@pytest.mark.parametrize("options", [{"do_normalize": False}, {"merge_size": 1}, {"images_kwargs": {"do_resize": False}},
-                                     {"videos_kwargs": {"fps": 1}}, {"max_pixels": 1024}, {"size": {"longest_edge": 1}}])
+@pytest.mark.parametrize("options", [
+    {"do_normalize": False}, {"merge_size": 1}, {"images_kwargs": {"do_resize": False}}, {"videos_kwargs": {"fps": 1}},
+    {"max_pixels": 1024}, {"size": {"longest_edge": 1}}])
 def test_an_image_or_video_option_in_the_call_raises_naming_it(tmp_path, options):
     with pytest.raises(ValueError, match=f"was given {next(iter(options))} for this call"):
         ShareDecoding(tiny_processor())(text=TWO_ROWS, images=_pictures(tmp_path), padding=True, **options)

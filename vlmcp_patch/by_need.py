@@ -44,8 +44,8 @@ At every CP forward, before any compute (`choose_switches`, called by `forward.t
    switch is on, one tile included (`tiles.py`), so the switches alone set the arrival order, not the rows.
 
 Deciding at every forward with a graph (not only the first; a forward without one runs with the last choice, no
-collective) costs one all-reduce of two numbers (the rooms) in the group, four flags' over the world (with replicas) and a few
-microseconds of arithmetic, and follows what the first step cannot see: an optimizer that creates its states at its
+collective) costs one all-reduce of two numbers (the rooms) in the group, four flags' over the world (with replicas)
+and a few microseconds of arithmetic, and follows what the first step cannot see: an optimizer that creates its states at its
 first step leaves less room from the second forward on, and a longer row later is priced as itself. Every rank of a
 group has the same row (the agreement checks it) and the same agreed room, so every rank takes the same decision.
 
@@ -226,8 +226,9 @@ def _mem_available() -> float | None:
         return None
     if available is None:
         return None
+    v1 = "/sys/fs/cgroup/memory/memory."
     for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+                         (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
         try:
             with open(limit) as f, open(usage) as g:
                 cap, used = f.read().strip(), g.read().strip()

@@ -182,7 +182,7 @@ def run_pixel_dtype(rank: int, world_size: int) -> dict:
         out[name] = (batch["pixel_values_videos"].dtype, *_step(model, batch))
     (_, loss32, grads32), (dtype16, loss16, grads16) = out["fp32"], out["bf16"]
     return {"dtype": str(dtype16), "same_loss": loss32 == loss16,
-            "same_grads": all(torch.equal(grads32[n], grads16[n]) for n in grads32) and grads32.keys() == grads16.keys()}
+            "same_grads": grads32.keys() == grads16.keys() and all(torch.equal(grads32[n], grads16[n]) for n in grads32)}
 
 
 def run_pickled(rank: int, world_size: int) -> dict:

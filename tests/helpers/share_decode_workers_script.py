@@ -2,7 +2,8 @@
 of `share_decode_cases` with a collator built in the training process; each rank writes, per start method, the video
 rows its batch holds and whether their share record is there, to OUT_DIR/workers.rankR.json.
 
-    VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 -m tests.helpers.run_script tests/helpers/share_decode_workers_script.py OUT_DIR
+    VLMCP_CP_SIZE=2 torchrun --nproc-per-node 2 -m tests.helpers.run_script \
+        tests/helpers/share_decode_workers_script.py OUT_DIR
 """
 
 from __future__ import annotations
