@@ -44,12 +44,18 @@ class Decodes:
         self.groups: list[int] = []
         self.images: list[int] = []
         self.measuring, self.most = measuring, 0
+        # what the process held of such storages before this decode began (a test run's other objects)
+        self.before = self._alive() if measuring else 0
+
+    @staticmethod
+    def _alive() -> int:
+        from tests.helpers.host_pixel_cases import pixel_bytes_alive
+
+        return pixel_bytes_alive(PIXEL_WIDTH)
 
     def measure(self) -> None:
         if self.measuring:
-            from tests.helpers.host_pixel_cases import pixel_bytes_alive
-
-            self.most = max(self.most, pixel_bytes_alive(PIXEL_WIDTH))
+            self.most = max(self.most, self._alive())
 
 
 def video_item(decodes: Decodes, key: str = "video-0", seed: int = 100):
