@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the per-rank decode's temporal groups per processor call: each call's fp32 rows go into the share's one tensor
+from ..share_decode import GROUPS_PER_CALL as SHARE_DECODE_GROUPS_PER_CALL
 from .dims import ModelDims
 from .hardware import GIB
 from .rows import Row
@@ -27,9 +29,6 @@ HOST_NODE_SHARE = 0.05
 # are (the package's cut keeps their dtype); the cast to the model's dtype then happens on the device, inside the
 # patch embedding. The per-rank decode may hand them over in the model's dtype (`Training.pixel_bytes`).
 PROCESSOR_PIXEL_BYTES = PIXEL_DTYPES["fp32"]
-# The per-rank decode's temporal groups per processor call (`share_decode.GROUPS_PER_CALL`, mirrored here: the plan
-# imports nothing heavy): it writes each call's rows, in the processor's fp32, into the share's one tensor as they come
-SHARE_DECODE_GROUPS_PER_CALL = 16
 # Batches each DataLoader worker prepares ahead (torch's `prefetch_factor` default)
 LOADER_PREFETCH = 2
 # The row's integer tensors as the data loader produces them: input_ids, labels, attention_mask and mm_token_type_ids,

@@ -186,13 +186,6 @@ class Memory:
                       self.forward_decoder + self.forward_exchange))
 
     @property
-    def host_throughout(self) -> float:
-        """Host bytes that live through both phases: the checkpoint pool as allocated, the offloaded optimizer, the
-        step's batches, the queued ones and, pinned, the previous step's batches' cached blocks."""
-        return (self.host_pool + self.host_optimizer + self.host_batch + self.host_queued
-                + (self.host_previous if self.host_previous_cached else 0.0))
-
-    @property
     def host_between_steps(self) -> float:
         """What the data loader adds between steps (beside the step with loader workers): the previous step's
         batches (unpinned), and the collation, then the pageable batch while it is pinned — one after the other in
@@ -204,13 +197,11 @@ class Memory:
 
     @property
     def host_total(self) -> float:
-        """Host bytes this rank needs at its peak: what lives throughout (`host_throughout`) plus, where the
-        collations run beside the step (loader workers), the parked vision features and the between-steps terms
-        (`host_between_steps`); where they run only between steps (no workers), the larger of the two phases' own
-        terms (`host.collation_beside_step` says what lives in each phase; `host_phase` which one is counted)."""
-        if self.host_collation_beside_step:
-            return self.host_throughout + self.host_features + self.host_between_steps
-        return self.host_throughout + max(self.host_features, self.host_between_steps)
+        """Host bytes this rank needs at its peak: the terms of its phase (`host_terms`), summed — what lives through
+        both phases plus, where the collations run beside the step (loader workers), the parked vision features and
+        the between-steps terms (`host_between_steps`); where they run only between steps (no workers), the larger of
+        the two phases' own terms (`host.collation_beside_step` says what lives in each phase)."""
+        return sum(self.host_terms().values())
 
     @property
     def host_phase(self) -> str:
@@ -221,9 +212,11 @@ class Memory:
         return "during the step" if self.host_features > self.host_between_steps else "between steps"
 
     def host_terms(self) -> dict[str, float]:
-        """The terms `host_total` counts, by name, in its phase (`host_phase`); their sum is `host_total`. With no
-        workers the collation and the pinning are one after the other: the larger is counted. Those of 0 bytes among
-        the previous batches, the parked features, the collation and the pinning are left out."""
+        """The terms `host_total` counts, by name, in its phase (`host_phase`): what lives through both phases (the
+        checkpoint pool as allocated, the offloaded optimizer, the step's batches, the queued ones and, pinned, the
+        previous step's cached blocks), then the phase's own. With no workers the collation and the pinning are one
+        after the other: the larger is counted. Those of 0 bytes among the previous batches, the parked features, the
+        collation and the pinning are left out."""
         terms = {"checkpoint pool": self.host_pool, "optimizer": self.host_optimizer,
                  "step's batches": self.host_batch, "queued batches": self.host_queued}
         phase = self.host_phase
