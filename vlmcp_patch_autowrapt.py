@@ -26,10 +26,11 @@ import wrapt
 # The modules that hold the targets of the package's optional patches (`patching.target_module` of each record with
 # `requires`).
 OPTIONAL_TARGET_MODULES = (
-    "accelerate.accelerator", "accelerate.data_loader",
-    "deepspeed", "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2",
+    "accelerate.accelerator", "accelerate.data_loader", "axolotl.loaders.model",
+    "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2",
     "flash_attn", "flash_attn.flash_attn_interface",
-    "transformers.trainer",
+    "swift.dataloader.dispatcher", "swift.dataloader.shard", "swift.sequence_parallel.sequence_parallel",
+    "torch.utils.data.distributed", "transformers.trainer",
     "trl.generation.vllm_generation", "trl.trainer.dpo_trainer", "trl.trainer.grpo_config", "trl.trainer.grpo_trainer",
     "trl.trainer.kto_trainer", "trl.trainer.rloo_config", "trl.trainer.rloo_trainer", "trl.trainer.sft_trainer",
 )

@@ -116,8 +116,10 @@ def data_collator(name: str, data_format: str = "padded", model=None):
     return ChatCollator(AutoProcessor.from_pretrained(name))
 
 
-def samples(name: str, n: int, seed: int = 0) -> list:
-    return synthetic_dataset(n, seed) if name in TINY else chat_dataset(n, seed)
+def samples(name: str, n: int, seed: int = 0, layouts: str = "images") -> list:
+    """`n` training samples: synthetic ones of `layouts` (`fixtures.data.LAYOUT_SETS`) for the tiny models, else
+    chats."""
+    return synthetic_dataset(n, seed, layouts) if name in TINY else chat_dataset(n, seed)
 
 
 def token_accuracy(eval_pred) -> dict:

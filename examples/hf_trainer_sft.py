@@ -65,6 +65,9 @@ def parse_args(argv=None):
     parser.add_argument("--optim", default="adamw_torch", help="any TrainingArguments.optim, e.g. sgd")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient norm at this")
     parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--layouts", default="images", choices=["images", "mixed"],
+                        help="the tiny models' synthetic samples: images and text, or mixed (a large image, small "
+                        "ones, a video, text)")
     parser.add_argument("--data-format", default="padded", choices=DATA_FORMATS,
                         help="batches of the tiny models: right-padded rows, or the official Qwen3-VL fine-tuning "
                         "script's formats (its own 3D positions, no mm_token_type_ids; padded or one flattened row)")
@@ -186,8 +189,9 @@ def main(argv=None) -> None:
     trainer = Trainer(
         model=model,
         args=training_args,
-        train_dataset=samples(args.model, args.samples),
-        eval_dataset=samples(args.model, args.eval_samples, seed=10_000) if args.eval_samples else None,
+        train_dataset=samples(args.model, args.samples, layouts=args.layouts),
+        eval_dataset=samples(args.model, args.eval_samples, seed=10_000, layouts=args.layouts)
+        if args.eval_samples else None,
         data_collator=with_answers_cut(data_collator(args.model, args.data_format, model)) if args.answers_cut else
         data_collator(args.model, args.data_format, model),
         compute_metrics=token_accuracy if args.eval_samples else None,

@@ -169,7 +169,8 @@ def test_a_collective_that_never_completes_raises_naming_it(exchange, group):
 
 
 def failures_of_this_rank(rank: int, world_size: int) -> dict:
-    """Failures that are this rank's own, inside a CP collective: what each raises."""
+    """Failures that are this rank's own, inside a CP collective: what each raises, and how many collectives of the
+    group each issued (the group's sequence number: every collective issued to the backend counts, whatever follows)."""
     import torch
     import torch.distributed as dist
 
@@ -178,30 +179,31 @@ def failures_of_this_rank(rank: int, world_size: int) -> dict:
     from vlmcp_patch.collectives.record import site
     from vlmcp_patch.distributed import get_cp_group
 
-    group, seen = get_cp_group(world_size).group, {}
+    group, seen, issued = get_cp_group(world_size).group, {}, {}
 
     def out_of_memory():  # what the CUDA caching allocator raises inside a collective; none can be had on CPU
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    def bad_splits():  # refused by gloo itself, on this rank, before it sends anything
+    def bad_splits():  # issued to gloo, which queues it and refuses it on its worker, before sending anything
         dist.all_to_all_single(torch.empty(4), torch.ones(4), [3, 3], [2, 2], group=group)
 
     with site("Qwen3VLTextAttention of layer 7"):
         for name, attempt in (("oom", lambda: communicate("all-to-all", group, 8, out_of_memory)),
                               ("splits", lambda: communicate("uneven all-to-all (rows)", group, 1, bad_splits)),
                               ("rows", lambda: exchange_rows(torch.ones(3, 2), [2, 2], [2, 2], group))):
+            before = group._get_sequence_number_for_group()
             try:
                 attempt()
             except Exception as error:  # noqa: BLE001 - the test reads it
                 seen[name] = (type(error).__name__, str(error))
-    # The group still works: nothing was left half-done. Under load gloo's barrier may raise the refused all-to-all's
-    # error once more on one rank after the barrier itself has run (seen twice in full runs: the peer's barrier
-    # returned, and a retried barrier then waited alone), so the proof is a collective after it, on every rank.
-    try:
-        dist.barrier(group=group)
-    except RuntimeError as error:
-        if "Split sizes" not in str(error):
-            raise
+            issued[name] = group._get_sequence_number_for_group() - before
+    seen["issued"] = issued
+    # The group still works: nothing was left half-done (every rank issued the refused all-to-all alike). Proved by an
+    # all-reduce, not gloo's barrier: a gloo barrier first waits on the work its group still lists in progress, which
+    # for a moment after the refused all-to-all's wait raised is that all-to-all (its worker unlists it after waking
+    # the waiter); the barrier then raises the all-to-all's "Split sizes" error again without running, on this rank
+    # only, and the peer's barrier waits out the timeout (reproduced: about once in 60 tries of refused all-to-all
+    # then barrier, on 2 ranks). An all-reduce waits on nothing before it.
     count = torch.ones(1)
     dist.all_reduce(count, group=group)
     seen["after"] = int(count.item())
@@ -217,6 +219,8 @@ def test_a_failure_of_this_rank_names_itself_not_a_peer():
         assert kind == "CollectiveError" and "itself" in message and "Another rank" not in message, seen["splits"]
         kind, message = seen["rows"]
         assert kind == "ValueError" and "send counts [2, 2] that add up to 4" in message, seen["rows"]
+        # the package's refusal reaches no collective; the control: the all-to-all gloo refused was issued to it
+        assert seen["issued"] == {"oom": 0, "splits": 1, "rows": 0}, seen["issued"]
         assert seen["after"] == 2  # both ranks reached the same collective afterwards
 
 

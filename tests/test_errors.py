@@ -18,7 +18,6 @@ SETUPS = {
     "text_model_called_directly": ("UnsupportedSetupError", "called directly"),
     "past_key_values": ("UnsupportedSetupError", "past_key_values"),
     "cache_keyword": ("UnsupportedSetupError", "past_key_values"),
-    "logits_to_keep": ("UnsupportedSetupError", "logits_to_keep"),
     "router_logits": ("UnsupportedSetupError", "output_router_logits"),
     "four_dimensional_mask": ("UnsupportedSetupError", "4D attention_mask"),
     "deltanet_mask_with_holes": ("CPInputError", "holes"),
@@ -44,6 +43,7 @@ MALFORMED = {
     "input_ids_and_embeds": ("ValueError", "exactly one of input_ids or inputs_embeds"),
     "packed_inconsistent_cu_seq_lens": ("CPInputError", "does not agree with position_ids"),
     "flattened_row_with_bad_lengths": ("CPInputError", "cumulative sample lengths"),
+    "logits_to_keep_with_every_label": ("ValueError", "logits_to_keep keeps 1 logits"),
 }
 # Inputs whose fate is stock's and differs by release: transformers 5.2 finds images from their placeholder tokens and
 # takes no `mm_token_type_ids`, later releases refuse images without them (docs/versions.md). What stock at P=1 refuses

@@ -209,7 +209,7 @@ def test_the_release_checker_reads_the_installed_deepspeed_as_the_import_does(tm
     the digest the import computes; the ZeRO-3 method changed in the archive is reported, the other record not."""
     deepspeed = pytest.importorskip("deepspeed")
     tool = _tool()
-    files = ["__init__.py", "runtime/zero/stage3.py", "runtime/zero/stage_1_and_2.py"]
+    files = ["__init__.py", "runtime/engine.py", "runtime/zero/stage3.py", "runtime/zero/stage_1_and_2.py"]
     records = tool.patch_records("deepspeed", deepspeed.__version__)
     assert records
     same = tool.Sources(_archive(tmp_path / "deepspeed-0.0.0.tar.gz", "deepspeed", files, sdist=True))

@@ -180,6 +180,19 @@ def test_every_launch_as_it_really_runs_is_accepted_with_its_node_size_or_refuse
                for first in range(0, nested.world, nested.size))
 
 
+@pytest.mark.parametrize("name", [name for name, nested in NESTED.items() if not nested.refused])
+def test_each_rank_reads_the_ranks_of_its_own_node_from_the_launcher_that_started_it(name, monkeypatch):
+    """`Launch.ranks_on_this_node` (what the host's room is shared by) on every rank of every launch as it really
+    runs: the ranks on that rank's machine, the entry for its node on SLURM's uneven nodes (8 and 4, 3 and 1), where
+    the layout's node size is the counts' greatest common divisor; an outer launcher's variables do not count."""
+    nested = NESTED[name]
+    for rank in range(nested.world):
+        _launch_views(monkeypatch, 1, 1, "none", extra=lambda _, rank=rank: {
+            "RANK": str(rank), "WORLD_SIZE": str(nested.world), **nested.variables(rank)})
+        on_machine = sum(nested.node_of(other) == nested.node_of(rank) for other in range(nested.world))
+        assert launch().ranks_on_this_node == on_machine, (name, rank)
+
+
 def test_the_report_names_why_an_outer_launchers_variables_are_left_out(monkeypatch):
     """torchrun inside `sbatch --ntasks-per-node=8`, on rank 1: the script's SLURM variables are named, with why."""
     from vlmcp_patch.report import node_lines

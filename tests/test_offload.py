@@ -118,12 +118,30 @@ def test_offload_under_cp_is_bit_identical(once):
             assert (counts["parked"], counts["unparked"]) == (parked, unparked), (case, counts)
 
 
-@pytest.mark.parametrize("theirs", ["transformers offload", "accelerate offload"])
-def test_foreign_offload_is_refused_under_cp_before_compute(theirs, once):
+def test_accelerates_offload_is_refused_under_cp_before_compute(once):
     for per_case in once(offload_run, 2):
-        if per_case[theirs] == "not in this transformers":
+        assert "VLMCP_OFFLOAD_CHECKPOINTS=1" in per_case["accelerate offload"], per_case["accelerate offload"]
+
+
+def test_transformers_offload_runs_under_cp_as_stock_and_one_offload_acts_when_both_are_asked(once):
+    """transformers' own `offload=True` (5.23+) under CP: alone it runs as on stock (on a machine without an
+    accelerator both raise its pinning error, the same one); asked beside `VLMCP_OFFLOAD_CHECKPOINTS`, the package's
+    pool keeps the checkpoints — as many as over plain checkpointing, the step bit for bit the same — transformers'
+    `save_on_cpu` is set aside, and the log says so and the CP line names who keeps them (issue 65). Before, it was
+    refused under CP."""
+    for rank, per_case in enumerate(once(offload_run, 2)):
+        theirs = per_case["transformers offload"]
+        if theirs == "not in this transformers":
             pytest.skip("transformers' activation_checkpointing_enable(offload=True) arrived in 5.23")
-        assert "VLMCP_OFFLOAD_CHECKPOINTS=1" in per_case[theirs], per_case[theirs]
+        assert theirs["alone"][0] == theirs["stock"][0], theirs  # the same outcome: ran, or the same error
+        if theirs["stock"][0] != "ran":
+            assert theirs["alone"] == theirs["stock"], theirs
+        assert theirs["both identical"], theirs
+        assert theirs["both counts"]["offloaded"] == theirs["plain counts"]["offloaded"] > 0, theirs
+        assert sum("transformers' save_on_cpu is set aside" in line for line in theirs["lines"]) <= 1, theirs
+        if rank == 0:
+            assert any("checkpoints on the host by VLMCP_OFFLOAD_CHECKPOINTS (transformers' offload=True set aside)"
+                       in line for line in theirs["lines"]), theirs["lines"]
 
 
 # -- the pool without waste (issue 53) ---------------------------------------------------------------------------------

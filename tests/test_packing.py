@@ -223,3 +223,62 @@ def read_once_under_cp(rank: int, world_size: int) -> list[int]:
 def test_a_packed_row_is_read_once_per_forward_under_cp():
     for counts in run_distributed(read_once_under_cp, 2, timeout=300):
         assert counts == [1, 1]
+
+
+# A one-row batch with its lengths beside the mask (ms-swift's collator, issue 64)
+
+
+def one_row_with_lengths_run(rank: int, world_size: int) -> dict:
+    """ms-swift's one-row batch — an all-ones mask and `cu_seq_lens_q/k = [0, L]`, `max_length_q/k = L` — against
+    stock (`compare`), and what the refusals say of lengths that cannot describe the batch, under CP."""
+    import vlmcp_patch
+    from tests.helpers.parity import compare
+    from vlmcp_patch.fixtures.data import Segment, make_batch
+    from vlmcp_patch.fixtures.models import build_model, tiny_qwen3_vl_config
+
+    model = build_model(tiny_qwen3_vl_config(), seed=1)
+    layout = [Segment(text=5), Segment(image=(16, 24)), Segment(text=7)]
+    row = make_batch([layout], seed=3)
+    row["attention_mask"] = torch.ones_like(row["input_ids"])
+    length = row["input_ids"].shape[1]
+
+    def lengths(*cu, longest=None):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        longest = int(cu.diff().max()) if longest is None else longest
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+    result = compare(model, {**row, **lengths(0, length)}, world_size)
+    pair = make_batch([layout, [Segment(text=9)]], seed=3)
+    refused = {
+        "two_rows": {**pair, **lengths(0, pair["input_ids"].shape[1])},
+        "other_samples": {**row, **lengths(0, 4, length)},
+        "row_split_elsewhere": {**row, **lengths(0, 2 * length)},
+        "max_length": {**row, **lengths(0, length, longest=length - 1)},
+    }
+    messages = {}
+    vlmcp_patch.enable(cp_size=world_size)
+    try:
+        for name, batch in refused.items():
+            try:
+                model(**batch)
+                messages[name] = None
+            except vlmcp_patch.CPInputError as error:
+                messages[name] = str(error)
+    finally:
+        vlmcp_patch.enable(cp_size=1)
+    return {**result, "refused": messages}
+
+
+def test_a_one_row_batch_with_its_lengths_beside_the_mask_runs_under_cp_as_stock():
+    """ms-swift's collator adds `cu_seq_lens = [0, L]` and `max_length = L` beside an all-ones mask to every one-row
+    batch: under CP it runs with stock's loss, logits and gradients (it was refused as if it had several rows). Lengths
+    that cannot describe the batch are refused on every rank, saying what is wrong: on two rows, other samples than
+    the mask's, a row split by another sequence parallelism, a wrong longest sample."""
+    for rank, m in enumerate(run_distributed(one_row_with_lengths_run, 2, timeout=600)):
+        assert m["loss_err"] <= TOL and m["logits_err"] <= TOL and m["grad_err"] <= TOL, (rank, m["worst_grad"])
+        assert m["missing_grads"] == [], rank
+        refused = m["refused"]
+        assert "but this batch has 2 rows" in refused["two_rows"], refused
+        assert "does not describe this one-row batch" in refused["other_samples"], refused
+        assert "another sequence parallelism" in refused["row_split_elsewhere"], refused
+        assert "max_length_q=19" in refused["max_length"] and "longest" in refused["max_length"], refused

@@ -92,9 +92,9 @@ def test_the_recipe_digest_names_the_items_and_the_dtype():
 def test_a_source_that_gives_other_rows_raises_naming_it():
     from vlmcp_patch.share_decode import VideoItem
 
-    metadata = cases.video_item(cases.Decodes()).metadata
-    short = VideoItem(grid=(4, 4, 4), rows=lambda first, count: torch.zeros(count * 15, 96), key="short-video",
-                      metadata=metadata)
+    # no metadata: nothing to check its grid against before its rows (a grid its metadata contradicts raises first:
+    # tests/test_share_decode_video.py)
+    short = VideoItem(grid=(4, 4, 4), rows=lambda first, count: torch.zeros(count * 15, 96), key="short-video")
     with pytest.raises(ValueError, match=r"short-video.*groups 2\.\.3.*\(32, 96\)"):
         ShareDecoding(cases.processor_with_videos(), size=2, rank=1)(
             text=["<|vision_start|><|video_pad|><|vision_end|>"], videos=[short])
@@ -311,3 +311,83 @@ def test_video_metadata_given_as_none_or_a_dict_and_the_callers_left_as_given():
         outputs[name] = ShareDecoding(processor, size=2, rank=0)(text=text, videos=[video])["input_ids"]
     assert metadata.frames_indices == list(range(cases.GROUPS * 2 - 1))
     assert torch.equal(outputs["object"], outputs["dict"]) and outputs["none"].shape[1] > 0
+
+
+def test_a_photo_given_as_a_path_turns_by_its_exif_orientation_as_the_processor_loads_it(tmp_path):
+    """A JPEG whose EXIF orientation turns it by 90 degrees, given as a path: its grid and rows are the processor's (it
+    loads a path with `exif_transpose`), with no cut and on each rank of P=2, where the header alone gives the
+    unturned size."""
+    from PIL import Image
+
+    from vlmcp_patch.fixtures.data import make_image
+
+    paths = []
+    for i, (w, h) in enumerate([(48, 20), (20, 48)]):
+        picture = make_image(w, h, seed=i).convert("RGB")
+        exif = Image.Exif()
+        exif[0x0112] = 6  # rotate 270 on display: width and height swap
+        paths.append(str(tmp_path / f"photo-{i}.jpg"))
+        picture.save(paths[-1], exif=exif.tobytes(), quality=95)
+    processor = tiny_processor()
+    text = ["<|vision_start|><|image_pad|><|vision_end|> and <|vision_start|><|image_pad|><|vision_end|>"]
+    stock = processor(text=text, images=paths, return_tensors="pt")
+    assert stock["image_grid_thw"][0].tolist() != [1, 20 // 4, 48 // 4]  # turned
+    ours = ShareDecoding(processor)(text=text, images=paths)
+    for key in stock:
+        assert torch.equal(ours[key], stock[key]), key
+    for rank in range(2):
+        share = ShareDecoding(processor, size=2, rank=rank)(text=text, images=paths)
+        record = share[SHARE_RECORDS["pixel_values"]]
+        assert torch.equal(share["image_grid_thw"], stock["image_grid_thw"])
+        assert torch.equal(share["pixel_values"], stock["pixel_values"][int(record[START]):int(record[STOP])])
+
+
+def test_a_lazily_opened_images_key_does_not_change_once_its_share_is_decoded(tmp_path):
+    """The ranks' keys of lazily opened files stay the files' from one epoch to the next: the rank that decodes an
+    image decodes it from its file, leaving the caller's object undecoded, so the record's digest is the same on a
+    second call (where it used to become the pixels' on the rank that had decoded it)."""
+    from PIL import Image
+
+    from vlmcp_patch.share_decode import _image_key
+
+    paths = _pictures(tmp_path, sizes=((16, 16),) * 4)
+    images = [Image.open(p) for p in paths]
+    keys = [_image_key(image) for image in images]
+    text = [" ".join(["<|vision_start|><|image_pad|><|vision_end|>"] * 4)]
+    digests = []
+    for _ in range(2):  # two epochs
+        batch = ShareDecoding(tiny_processor(), size=2, rank=0)(text=text, images=images)
+        digests.append(batch[SHARE_RECORDS["pixel_values"]][FINGERPRINT:].tolist())
+    assert digests[0] == digests[1]
+    assert [_image_key(image) for image in images] == keys and all(image.tile for image in images)
+    other = ShareDecoding(tiny_processor(), size=2, rank=1)(text=text, images=[Image.open(p) for p in paths])
+    assert other[SHARE_RECORDS["pixel_values"]][FINGERPRINT:].tolist() == digests[0]
+
+
+def test_a_share_decoded_whole_says_so_once_with_the_reason(tmp_path, caplog):
+    """Images that do not balance over the ranks are decoded whole on every rank (correct: the forward shares them by
+    patches): logged once, on logger `vlmcp_patch`, with the reason."""
+    import logging
+
+    from vlmcp_patch import video_share
+
+    video_share._SAID.discard("whole:pixel_values")
+    paths = _pictures(tmp_path, sizes=((64, 48), (64, 48), (80, 60), (64, 48), (80, 60)))
+    text = [" ".join(["<|vision_start|><|image_pad|><|vision_end|>"] * 5)]
+    with caplog.at_level(logging.WARNING, logger="vlmcp_patch"):
+        for _ in range(2):
+            batch = ShareDecoding(tiny_processor(), size=2, rank=0)(text=text, images=paths)
+    assert SHARE_RECORDS["pixel_values"] not in batch
+    said = [r for r in caplog.records if r.name == "vlmcp_patch" and "decoded whole" in r.getMessage()]
+    assert len(said) == 1 and "do not split into 2 equal shares" in said[0].getMessage(), caplog.text
+
+
+@pytest.mark.parametrize("options, owner", [({"fps": 1}, "processor.video_processor.fps"),
+                                            ({"videos_kwargs": {"num_frames": 8}},
+                                             "processor.video_processor.num_frames"),
+                                            ({"do_normalize": False}, "processor.image_processor.do_normalize"),
+                                            ({"max_pixels": 1024}, "processor.image_processor.size")])
+def test_an_option_in_the_call_names_the_processor_that_owns_it(tmp_path, options, owner):
+    with pytest.raises(ValueError, match=f"set {owner}"):
+        ShareDecoding(cases.processor_with_videos())(text=TWO_ROWS, images=_pictures(tmp_path), padding=True,
+                                                     **options)

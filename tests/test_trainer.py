@@ -344,7 +344,8 @@ def test_the_official_scripts_padded_batches_at_p1_are_stock_bit_for_bit(once):
 # find_unused_parameters, ZeRO-2 and FSDP2 fail there (gradient buckets / reduce-scatters differ) and ZeRO-3
 # hangs (weight gathers differ): placeholder vision passes keep them matched.
 
-REPLICA = ["--batch-size", "1", "--eval-samples", "12"]
+# Replicas with different data: a large image (shared by patches), two small ones (by items), a video, text alone
+REPLICA = ["--batch-size", "1", "--eval-samples", "12", "--layouts", "mixed"]
 
 
 def one_process_of_two_replicas() -> Run:

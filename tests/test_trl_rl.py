@@ -43,8 +43,9 @@ def _launch(script: Path, name: str, procs: int, cp_size: int, extra=(), env=Non
         files += ["--save-completions", folder / "completions.json"]
     sharded = any(flag in map(str, extra) for flag in ("--deepspeed", "--fsdp"))
     launcher = "python" if procs == 1 and not sharded else "torchrun"
+    # the host cut of the pixel values on (its default), whatever the calling environment says
     out = launch(script, [*COMMON, *files, *extra], procs=procs, launcher=launcher,
-                 env={"VLMCP_CP_SIZE": str(cp_size), **(env or {})}, timeout=600)
+                 env={"VLMCP_CP_SIZE": str(cp_size), "VLMCP_HOST_PIXEL_SHARES": "1", **(env or {})}, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     return Run(folder, procs)
 
@@ -85,6 +86,10 @@ PREFERENCE = {
 }
 
 
+# DPO on image pairs: each rank holds only its share of the pixel values on the host (the cut, which TRL < 1.16's
+# DPOTrainer would leave behind: integrations/trl.py), every forward of every step
+CUT = {"dpo-qwen3-vl", "dpo-qwen3.5-peft"}
+
 # The default run trains GRPO; the others run with `-m integration`, these two with `-m extended` (docs/testing.md).
 DEFAULT = {"grpo-qwen3-vl"}
 EXTENDED = {"dpo-qwen3-vl", "dpo-precomputed"}
@@ -104,6 +109,8 @@ def test_cp2_trains_like_one_process(case, once):
     candidate = once(run, script, f"{case}-cp2", 2, 2, extra)
     assert candidate.wrapper == "DDP"
     assert_trains_like(candidate, reference)
+    if case in CUT:  # the policy's and the reference's forward of each step held the cut share
+        assert all(step.get("cp_host_pixel_shares") == 2 for step in candidate.steps), candidate.steps
 
 
 @pytest.mark.parametrize("case", cases(RL))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.cases import MULTI_IMAGE, towers_take_patch_tables
+from tests.helpers.cases import MULTI_IMAGE
 from tests.helpers.harness import run_distributed
 from tests.helpers.parity import TOL, gradient_errors
 from tests.helpers.vision_replica_cases import REPLICA_CASES, run_replica_cases
@@ -67,24 +67,25 @@ def test_every_item_on_every_rank_runs_in_tiles_under_cp():
 def test_zero3_tiles_the_tower_inside_one_gathered_call_like_p1():
     """DeepSpeed ZeRO-3 at P=2 (gloo): the tower a ZeRO-3 leaf, gathered whole once per call, its tiles inside that
     call — four on rank 0, one on rank 1: different numbers of tiles, the same collectives — and every parameter's
-    full gradient equal to stock's at P=1; the same leaf tower called twice per forward (images, then the video), tiled
-    and untiled (the images shared by patches), and both untiled (by need, nothing chosen), each parameter reduced once;
-    with vision tiling off, a tower gathered module by module (its MLPs no leaves: two calls of a leaf per forward
-    reduced twice) called twice; with vision data parallelism off, each rank's two calls (every item) in tiles."""
+    full gradient equal to stock's at P=1; the same leaf tower called twice per forward (images, then the video), both
+    through the tiled function (the images shared by patches: their slice one tile), and both untiled (by need,
+    nothing chosen), each parameter reduced once; with vision tiling off the tower a leaf too (under CP with DeepSpeed
+    every call may have to run through the recomputed function, for one gradient order across replicas), called
+    twice untiled; with vision data parallelism off, each rank's two calls (every item) in tiles."""
     pytest.importorskip("deepspeed")
     results = run_distributed(run_zero3_vision_cases, 2, timeout=600)
     assert [r["uneven tiles"]["tiles"]["forward_tiles"] for r in results] == [4, 1]
     for rank, per_case in enumerate(results):
         for case, m in per_case.items():
             where = f"{case}, rank {rank}"
-            assert m["leaf"] == (case != "vision tiling off"), where
+            assert m["leaf"], where
             assert abs(m["loss"] - m["ref_loss"]) <= TOL * abs(m["ref_loss"]), where
             assert m["grad_err"] <= TOL, (where, m["worst"], m["grad_err"])
         tiles = per_case["uneven tiles"]["tiles"]
         assert tiles["calls"] == 1 and tiles["backward_tiles"] == tiles["forward_tiles"], (rank, tiles)
-        # the video's call tiled; the images' too where the towers take no per-patch tables (before 5.15): shared by
-        # items there, not by patches
-        assert per_case["tiled and untiled calls"]["tiles"]["calls"] == (1 if towers_take_patch_tables() else 2), rank
+        # the video's call tiled, and the images' (shared by patches, one tile; by items before 5.15, where the towers
+        # take no per-patch tables)
+        assert per_case["tiled and untiled calls"]["tiles"]["calls"] == 2, rank
         assert per_case["untiled calls"]["tiles"]["calls"] == 0, rank
         assert per_case["every item in tiles"]["tiles"]["calls"] == 2, rank  # images, video: each call whole, tiled
 
@@ -231,17 +232,21 @@ def test_zero_replicas_with_cp_off_take_the_tiled_function_whatever_their_tiles(
     """DeepSpeed ZeRO-2 at P=1 over two data replicas (gloo), each its own row, `VLMCP_VISION_TILE_PATCHES=32`: rank
     0's video makes four tiles, rank 1's one, which goes through the tiled function too, so the vision gradients
     arrive in the same order on both replicas and every reduced gradient equals stock's mean over the two rows within
-    1e-5. The control: rank 1 untiled (`0`), its vision gradients arriving block by block against rank 0's all at
+    1e-5. Rank 1 untiled (`0`) with the passes matched (`VLMCP_MATCH_VISION_PASSES=1`): its call goes through the
+    tiled function all the same, one tile (one order across replicas, `vision_tiles.one_order_required`), exactly.
+    The control: the same without matching, its vision gradients arriving block by block against rank 0's all at
     once — ZeRO-2 reduces its flat buckets as packed in arrival order, and sums different parameters' gradients.
     A replica with text alone runs its placeholder pass through the tiled function too. ZeRO-3 at P=1 gathers the
     tower module by module (the integration makes it a leaf under CP only): it runs untiled on both replicas,
     exactly."""
     pytest.importorskip("deepspeed")
     cases = run_distributed(run_replica_cases, 2, timeout=600)
-    same, mixed, placeholder, zero3 = ([r[name] for r in cases] for name, *_ in REPLICA_CASES)
+    same, matched, mixed, placeholder, zero3 = ([r[name] for r in cases] for name, *_ in REPLICA_CASES)
     assert [r["tiles"] for r in same] == [{"calls": 1, "forward_tiles": 4, "backward_tiles": 4},
                                           {"calls": 1, "forward_tiles": 1, "backward_tiles": 1}]
     assert all(r["grad_err"] <= TOL for r in same), same
+    assert matched[1]["tiles"] == {"calls": 1, "forward_tiles": 1, "backward_tiles": 1}, matched
+    assert all(r["grad_err"] <= TOL for r in matched), matched
     assert mixed[1]["tiles"]["calls"] == 0 and mixed[0]["grad_err"] > 1e-2, mixed
     # a replica whose row is text alone runs a placeholder through the tower (`VLMCP_MATCH_VISION_PASSES=1`): one tile
     assert placeholder[1]["tiles"] == {"calls": 1, "forward_tiles": 1, "backward_tiles": 1}, placeholder

@@ -34,10 +34,12 @@ from .errors import (  # noqa: E402
 )
 from .forward.generate import GENERATE_PATCH  # noqa: E402
 from .integrations import accelerate as _accelerate  # noqa: E402
+from .integrations import cli_parallelism as _cli_parallelism  # noqa: E402
 from .integrations import deepspeed as _deepspeed  # noqa: E402
 from .integrations import input_grads as _input_grads  # noqa: E402
 from .integrations import parallelism_config as _parallelism_config  # noqa: E402
 from .integrations import placement as _placement  # noqa: E402
+from .integrations import samplers as _samplers  # noqa: E402
 from .integrations import trainer as _trainer  # noqa: E402
 from .integrations import trl as _trl  # noqa: E402
 from .integrations import trl_rl as _trl_rl  # noqa: E402
@@ -46,6 +48,7 @@ from .integrations.placement import PixelShareCollator, batch_to_device  # noqa:
 from .integrations.setup import check_cp_setup  # noqa: E402
 from .logprobs import token_log_probs  # noqa: E402
 from .patching import PATCHES, cp_size  # noqa: E402
+from .replica_step import data_parallel_step  # noqa: E402
 from .settings import SETTINGS, enable, env_flag  # noqa: E402
 from .share_decode import ShareDecoding, VideoItem  # noqa: E402
 from .supported import supported_class_names  # noqa: E402
@@ -66,6 +69,8 @@ PATCHES.add(
     *_trainer.patches(),
     *_trl.patches(),
     *_trl_rl.patches(),
+    *_samplers.patches(),
+    *_cli_parallelism.patches(),
 )
 
 
@@ -126,6 +131,7 @@ __all__ = [
     "VideoItem",
     "cp_size",
     "data_parallel_rank",
+    "data_parallel_step",
     "data_parallel_world_size",
     "disabled",
     "enable",

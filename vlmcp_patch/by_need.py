@@ -27,24 +27,26 @@ At every CP forward, before any compute (`choose_switches`, called by `forward.t
    A set that parks the features where the host cannot hold them is passed over (the choice says so). A row that
    does not fit with every allowed switch raises on every rank before compute, naming the longest row that fits and
    the P or settings that would fit this one — or, where only the host is short, the host's need and room;
-4. the replicas agree (`agreed_over_replicas`): a tiled MLP, a recomputed norm or a tiled tower delivers its weights'
-   gradients at other points of the backward than stock, and ZeRO-1/2 fill their buckets in that arrival order, so
-   every rank whose gradients are reduced together must run the same of those switches (`ORDERED`). The union over
-   the world (the data-parallel replicas of the CP groups: the ranks DDP, DeepSpeed and FSDP2 reduce over) is taken:
-   one all-reduce (MAX) of four numbers, issued by every rank at every CP forward with a graph, after the group's
-   room's (one collective could serve both — every rank's fit of every set at its group's slot, MIN over the world —
-   but it would price every set at every forward, where the cheapest-first pricing stops at the first set that
-   fits). A switch the union brings can raise a row's peak (a tower of one tile keeps its blocks' activations), so
-   each replica prices its row under the union (`fit_the_union`: the cheapest allowed set with the union's ordered
-   switches) and one more MAX over the world says whether any replica's does not fit: then every rank of every
-   replica raises. A replica whose row is refused says so in the first all-reduce: every rank of every replica
-   raises, none waits in a gradient reduction. The
+4. the replicas agree (`agreed_over_replicas`): a tiled MLP or a recomputed norm delivers its weights' gradients at
+   other points of the backward than stock, and ZeRO-1/2 fill their buckets in that arrival order, so every rank
+   whose gradients are reduced together must run the same of those switches (`ORDERED`; the vision tiles are not
+   among them: `vision_tiles.one_order_required`). The union over the world (the data-parallel replicas of the CP
+   groups: the ranks DDP, DeepSpeed and FSDP2 reduce over) is taken: one all-reduce (MAX) of three numbers, issued
+   by every rank in every CP forward of a data-parallel step with a graph (`replica_step`: a wrapper's forward,
+   which every replica runs together; a forward some replicas run alone agrees nothing over the world), after the
+   group's room's (one collective could serve both — every rank's fit of every set at its group's slot, MIN over
+   the world — but it would price every set at every forward, where the cheapest-first pricing stops at the first
+   set that fits). A switch the union brings can raise a row's peak, so each replica prices its row under the union
+   (`fit_the_union`: the cheapest allowed set with the union's ordered switches) and one more MAX over the world
+   says whether any replica's does not fit: then every rank of every replica raises. A replica whose row is refused
+   says so in the first all-reduce: every rank of every replica raises, none waits in a gradient reduction. The
    fused head's chunk is left per group: the head's gradient arrives at one point whatever its chunk, and a small
    chunk forced onto a row whose automatic chunk is smaller would cost memory. The tiled functions run whenever their
    switch is on, one tile included (`tiles.py`), so the switches alone set the arrival order, not the rows.
 
 Deciding at every forward with a graph (not only the first; a forward without one runs with the last choice, no
-collective) costs one all-reduce of two numbers (the rooms) in the group, four flags' over the world (with replicas)
+collective) costs one all-reduce of two numbers (the rooms) in the group, three numbers' over the world (in a data-parallel
+step)
 and a few microseconds of arithmetic, and follows what the first step cannot see: an optimizer that creates its states at its
 first step leaves less room from the second forward on, and a longer row later is priced as itself. Every rank of a
 group has the same row (the agreement checks it) and the same agreed room, so every rank takes the same decision.
@@ -53,7 +55,8 @@ The choice returned is the forward's own: the forward freezes it into its `CPCon
 built reads it there, in forward and in its recomputation in backward (`switches.py`), whatever a later forward chose.
 
 Rank 0 of each CP group logs one line (logger "vlmcp_patch", WARNING: shown by Python's default handler, the HF
-Trainer's and the CLIs' log configurations alike) at the first CP forward, and again only when the choice changes.
+Trainer's and the CLIs' log configurations alike) at the first CP forward, and again at a change of the choice, at
+most once per `LOG_EVERY` forwards, counting the changes (`ChoiceLog`).
 At P=1 nothing is decided: only explicit switches act there (`in_effect`), and the first that does logs one line.
 """
 
@@ -65,7 +68,18 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from .collectives.communication import all_reduced
 from .errors import UnsupportedSetupError
+from .offload import offload_in_effect
+from .replica_step import (
+    DOES_NOT_FIT,
+    ORDERED,
+    RAISED,
+    Stopped,
+    agreed_over_replicas,
+    agrees_over_replicas,
+    max_over_world,
+)
 from .settings import SETTINGS
 from .switches import (  # noqa: F401 (the state and the switches' names, read through this module by its users)
     CHOOSER,
@@ -91,8 +105,9 @@ from .switches import (  # noqa: F401 (the state and the switches' names, read t
 
 
 def training_of(model, switches: Switches):
-    """The plan's `Training` of this step: checkpointing as the model has it, the offload as set, the sharding the
-    parameters show (ZeRO-3, FSDP2, else whole), the head frozen or not, and the switches (explicit sizes kept)."""
+    """The plan's `Training` of this step: checkpointing as the model has it, the checkpoint offload in effect (the
+    package's or transformers' `offload=True`), the sharding the parameters show (ZeRO-3, FSDP2, else whole), the head
+    frozen or not, and the switches (explicit sizes kept)."""
     from .distributed import data_parallel_world_size
     from .planning import Training
     from .sharding import fsdp2_units_within, zero3_partitioned
@@ -107,7 +122,7 @@ def training_of(model, switches: Switches):
     return Training(
         sharding=sharding, gradient_checkpointing=checkpointing,
         dp=data_parallel_world_size(), bytes_per_value=_compute_bytes(params),
-        offload_checkpoints=SETTINGS.offload_checkpoints, tiled_mlp=switches.mlp, tiled_vision=switches.vision,
+        offload_checkpoints=offload_in_effect(model) is not None, tiled_mlp=switches.mlp, tiled_vision=switches.vision,
         mlp_tile_tokens=sized(SETTINGS.mlp_tile_tokens), vision_tile_patches=sized(SETTINGS.vision_tile_patches),
         recompute_norms=switches.norms, frozen_head=frozen, loss_chunk=chunk, park_features=switches.features,
         attention=getattr(model.config, "_attn_implementation", None) or "sdpa")
@@ -197,7 +212,9 @@ def local_room(model, device: torch.device) -> float | None:
 def local_host_room(device: torch.device) -> float | None:
     """Host bytes this rank's checkpoint pool and parked features may take, or None where no limit is known:
     `VLMCP_HOST_MEMORY_GIB` where set; on an accelerator the node's available memory (`MemAvailable`) shared by its
-    local ranks, plus what this rank's pool already holds (allocated, so not available); on a CPU none."""
+    ranks (the launcher's count for this very node, `launcher.Launch.ranks_on_this_node`: on SLURM's uneven `8,4` a
+    rank of the first node gets an eighth, not the quarter the layout's node size would give), plus what this rank's
+    pool already holds (allocated, so not available); on a CPU none."""
     budget = SETTINGS.host_memory_gib * GIB
     if budget:
         return budget
@@ -205,10 +222,12 @@ def local_host_room(device: torch.device) -> float | None:
     if available is None:
         return None
     from .distributed import distributed_ready, node_size
+    from .launcher import launch
     from .offload import HOST_CHECKPOINTS
 
-    # no launcher stating a node size and one host name: every rank of the world is on this node
-    ranks = node_size() or (dist.get_world_size() if distributed_ready() else 1)
+    # no launcher stating this node's count: the nodes the ranks' host names agreed on (equal, so the layout's node
+    # size is this node's count); one host name: every rank of the world is on this node
+    ranks = launch().ranks_on_this_node or node_size() or (dist.get_world_size() if distributed_ready() else 1)
     return available / max(1, ranks) + HOST_CHECKPOINTS.pool.reserved
 
 
@@ -261,16 +280,6 @@ def agreed_rooms(room: float | None, host_room: float | None, cp,
     if cp.group is not None and cp.size > 1:
         least = all_reduced(least, dist.ReduceOp.MIN, cp.group, device)
     return tuple(None if math.isinf(r) else r for r in least)
-
-
-def all_reduced(values: list[float], op, group, device: torch.device) -> list[float]:
-    """`values` reduced with `op` over `group`, through the package's collective wrapper, on `device` (the batch's:
-    NCCL reduces device tensors only)."""
-    from .collectives.communication import communicate
-
-    flags = torch.tensor(values, dtype=torch.float64, device=device)
-    communicate("all-reduce", group, flags.numel(), lambda: dist.all_reduce(flags, op=op, group=group))
-    return flags.tolist()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -390,36 +399,6 @@ def refusal(dims, row, base, size: int, ulysses: int, room: float | None, best: 
             + (f"This row would fit with {' or '.join(ways)}." if ways else "Nothing the package can switch fits it."))
 
 
-# The switches that set when a parameter's gradient arrives in backward (module docstring, 4.): the replicas agree on
-# them. Not the head's chunk.
-ORDERED = ("norms", "vision", "mlp")
-
-
-def agreed_over_replicas(switches: Switches, refused: bool, device: torch.device) -> tuple[Switches, int | None]:
-    """(`switches` with every `ORDERED` switch any replica runs, the last replica whose row was refused or None) —
-    module docstring, 4. One all-reduce (MAX) of four numbers over the world (`distributed.world_group`: every rank,
-    in a group of its own so it never interleaves with the wrappers' gradient reductions), through the package's
-    collective wrapper, on `device`. Issued by every rank, refused or not, at the same point; with one replica the CP
-    group has agreed already: nothing to issue."""
-    from .distributed import data_parallel_rank, data_parallel_world_size
-
-    if data_parallel_world_size() == 1:
-        return switches, 0 if refused else None
-    replica = data_parallel_rank() + 1 if refused else 0  # 1 + the replica's index: the MAX names the last refused
-    flags = max_over_world([*(float(getattr(switches, n)) for n in ORDERED), float(replica)], device)
-    union = replace(switches, **{n: bool(flags[i] > 0) for i, n in enumerate(ORDERED)})
-    last = int(flags[-1])
-    return union, last - 1 if last else None
-
-
-def max_over_world(values: list[float], device: torch.device) -> list[float]:
-    """The MAX of `values` over every rank of the world (`distributed.world_group`: a group of its own, so it never
-    interleaves with the wrappers' gradient reductions; `all_reduced`)."""
-    from .distributed import world_group
-
-    return all_reduced(values, dist.ReduceOp.MAX, world_group(), device)
-
-
 def fit_the_union(dims, row, base, size: int, ulysses: int, room: float | None, union: Switches,
                   host_room: float | None = None) -> tuple[Switches, float, bool]:
     """(switches, peak, whether they fit `room`) for this replica's row under the replicas' union of the `ORDERED`
@@ -453,10 +432,11 @@ def union_does_not_fit(replica: int, size: int, union: Switches, peak: float | N
             "VLMCP_RECOMPUTE_NORMS, VLMCP_VISION_TILE_PATCHES), give that replica rows the switches suit, or raise P.")
 
 
-def another_replica_refused(replica: int, size: int) -> str:
-    return (f"the row of data-parallel {_replica(replica, size)} does not fit the device (its ranks raise with the "
-            "longest row that fits and what would fit it): every replica stops before compute, as its gradients "
-            "would be reduced with this replica's")
+def another_replica_stopped(stopped: Stopped, size: int) -> str:
+    why = ("does not fit the device (its ranks raise with the longest row that fits and what would fit it)"
+           if stopped.cause == DOES_NOT_FIT else "raised an error before compute (its ranks raise it: see their log)")
+    return (f"the row of data-parallel {_replica(stopped.replica, size)} {why}: every replica stops before compute, "
+            "as its gradients would be reduced with this replica's")
 
 
 def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | None:
@@ -482,20 +462,19 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
     row = row_of_call(call, ctx.seq_len, ctx.segments, merge)
     split = ctx.split
     base = training_of(model, Switches())
-    refusal = None
+    refusal, stopped = None, 0
     try:
         own, peak, why = choose(dims, row, base, ctx.cp.size, split.ulysses, room, host_room)
-    except UnsupportedSetupError as error:  # said to the other replicas first, then raised
+    except Exception as error:  # said to the other replicas first, then raised
         own, peak, why, refusal = Switches(), math.inf, "", error
-    # without a graph no gradient arrives: no agreement (nor a collective, which replicas with uneven evaluation
-    # batches would not all reach)
-    switches, refused_replica = agreed_over_replicas(own, refusal is not None, device) \
-        if torch.is_grad_enabled() else (own, None)
+        stopped = DOES_NOT_FIT if isinstance(error, UnsupportedSetupError) else RAISED
+    together = agrees_over_replicas(model)
+    switches, other = agreed_over_replicas(own, stopped, device) if together else (own, None)
     if refusal is not None:
         raise refusal
-    if refused_replica is not None:
-        raise UnsupportedSetupError(another_replica_refused(refused_replica, ctx.cp.size))
-    if torch.is_grad_enabled() and data_parallel_world_size() > 1:
+    if other is not None:
+        raise UnsupportedSetupError(another_replica_stopped(other, ctx.cp.size))
+    if together:
         switches, peak = check_the_union_fits(dims, row, base, ctx, room, own, switches, peak, device, host_room)
     if switches != own:
         added = ", ".join(LABELS[n] for n in switches.on() if n not in own.on())
@@ -503,12 +482,46 @@ def choose_switches(model, call: dict, ctx, device: torch.device) -> Choice | No
                "together, in one order)")
     choice = Choice(switches=switches, explicit=tuple(n for n in SWITCHES if explicit(n) is not None), why=why,
                     peak=peak, room=room, tokens=row.tokens, patches=row.patches(dims), size=ctx.cp.size,
-                    ulysses=split.ulysses, ring=split.ring, replicas=data_parallel_world_size())
+                    ulysses=split.ulysses, ring=split.ring, replicas=data_parallel_world_size(),
+                    offload=offload_in_effect(model))
     STATE.choice = choice
-    if ctx.cp.rank == 0 and STATE.logged != switches:
-        STATE.logged = switches
-        LOGGER.warning("%s", choice.line())
+    if ctx.cp.rank == 0 and (note := CHOICE_LOG.note(switches)) is not None:
+        LOGGER.warning("%s%s", choice.line(), note)
     return choice
+
+
+# Forwards between two lines at most, once the first has been logged: rows of alternating lengths change the choice at
+# every step, and a line per step would bury the run's log.
+LOG_EVERY = 100
+
+
+class ChoiceLog:
+    """When rank 0 of a group logs the choice: at the first CP forward, then at a change of the switches once
+    `LOG_EVERY` forwards have passed since the last line (a change sooner waits for that), the line then counting
+    the changes since the last one. The Trainer's logs carry the switches of every logging step (`facts`)."""
+
+    def __init__(self):
+        self.since_line = 0  # forwards since the last line
+        self.changes = 0  # changes of the switches since the last line
+        self.seen: Switches | None = None  # the last forward's switches
+
+    def note(self, switches: Switches) -> str | None:
+        """Whether this forward, running `switches`, logs the line: None, or what follows the line ("" for the
+        first; else the count of changes)."""
+        first = STATE.logged is None
+        self.since_line += 1
+        if self.seen is not None and switches != self.seen:
+            self.changes += 1
+        self.seen = switches
+        if not first and (self.changes == 0 or self.since_line < LOG_EVERY):
+            return None
+        note = "" if first else f" ({self.changes} change{'s' if self.changes != 1 else ''} of the switches in the " \
+            f"last {self.since_line} CP forwards; at most one line per {LOG_EVERY})"
+        STATE.logged, self.since_line, self.changes = switches, 0, 0
+        return note
+
+
+CHOICE_LOG = ChoiceLog()
 
 
 def check_the_union_fits(dims, row, base, ctx, room: float | None, own: Switches, union: Switches, own_peak: float,

@@ -122,6 +122,8 @@ class CPContext:
     # The memory switches of this forward (`switches.Choice`, chosen by need before any compute; None at P=1): in effect
     # while it runs and while what it built is recomputed in backward, whatever a later forward chose (`switches.py`).
     choice: object | None = None
+    # With `logits_to_keep`: the logits stock keeps and their targets (`forward.keep.KeptLogits`); None: every logit.
+    kept: object | None = None
 
     @property
     def seq_len(self) -> int:

@@ -212,6 +212,15 @@ class Launch:
         return sizes.pop() if len(sizes) == 1 else None
 
     @property
+    def ranks_on_this_node(self) -> int | None:
+        """The ranks on this process's own node as its launchers state it: LOCAL_WORLD_SIZE, LOCAL_SIZE,
+        OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, or SLURM's entry for this node (SLURM_NODEID's in
+        SLURM_TASKS_PER_NODE: 8 on the first node of `8,4`, 4 on the second), never the layout's node size (`node_size`,
+        the counts' greatest common divisor on unequal nodes). None when none states it, or they disagree."""
+        counts = {s.node_count for s in self.stated()}
+        return counts.pop() if len(counts) == 1 else None
+
+    @property
     def several_nodes(self) -> bool:
         """The launch spans more than one node: fewer ranks per node than in the world."""
         return (self.node_size is not None and self.world_size is not None

@@ -186,6 +186,8 @@ def head_loss_sum(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Ten
     if _is_plain_linear(head):
         return _FusedLinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk, torch.is_grad_enabled())
     logits = head(hidden)
+    if not logits.shape[0]:  # no rows on this rank (kept logits elsewhere): a zero that still reaches the backbone
+        return logits.float().sum()
     return sum(
         F.cross_entropy(logits[a:b].float(), labels[a:b], ignore_index=IGNORE_INDEX, reduction="sum")
         for a, b in _chunks(logits.shape[0], chunk)
@@ -209,10 +211,36 @@ def sharded_causal_lm_loss(
     """
     local_labels = ctx.shard(shift_labels.to(hidden.device), dim=1, value=IGNORE_INDEX).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
+    return _mean_over_group(flat, head, ctx, local_labels, shift_labels, num_items_in_batch, configured_chunk)
+
+
+def kept_causal_lm_loss(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    ctx: CPContext,
+    rows: torch.Tensor,
+    local_targets: torch.Tensor,
+    targets: torch.Tensor,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    configured_chunk: int = 0,
+) -> torch.Tensor:
+    """Stock's loss over the logits a forward keeps (`logits_to_keep`, `forward/keep.py`); the same value on every rank.
+
+    `hidden` is this rank's slice (1, local, H); `rows` (n,) the rows of it that hold kept logits (a row may repeat),
+    `local_targets` (n,) their targets; `targets` every kept logit's target over the group, which the valid targets
+    are counted from (or `num_items_in_batch` is used, like stock)."""
+    flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows.to(hidden.device))
+    return _mean_over_group(flat, head, ctx, local_targets.to(hidden.device), targets, num_items_in_batch,
+                            configured_chunk)
+
+
+def _mean_over_group(flat, head, ctx, local_labels, all_labels, num_items_in_batch, configured_chunk) -> torch.Tensor:
+    """The token losses of this rank's rows `flat` (n, H) against `local_labels` (n,), summed over the group, over the
+    valid labels of `all_labels` (every rank's) or `num_items_in_batch`."""
     vocab = getattr(head, "out_features", None) or flat.shape[-1]
-    chunk = chunk_tokens(flat.shape[0], flat.shape[-1], vocab, configured_chunk)
+    chunk = max(1, chunk_tokens(flat.shape[0], flat.shape[-1], vocab, configured_chunk))  # 1: no rows here
     total = sum_keep_local_grad(head_loss_sum(flat, head, local_labels, chunk), ctx.cp.group, ctx.cp.size)
-    count = (shift_labels != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+    count = (all_labels != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(count):
         count = count.to(total.device)
     return total / count

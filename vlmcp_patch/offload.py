@@ -27,9 +27,13 @@ else through.
   pinning, no streams): the tests exercise it here.
 
 The values come back bit for bit: the same bytes, the same shape and strides. Active whenever the switch is on, CP or
-not (it is opted into and exact). transformers' own `activation_checkpointing_enable(offload=True)` and Accelerate's
-`activation_checkpointing_offload` copy on the compute stream and pin per tensor: under CP they are refused before
-compute (`foreign_offload_problem`), naming this switch. The switch acts through transformers' own checkpointing
+not (it is opted into and exact). transformers' own `activation_checkpointing_enable(offload=True)` (torch's
+`save_on_cpu` around each layer's checkpoint: copies on the compute stream, pinned per tensor) runs under CP as it
+does on stock — exact, priced by the plan as checkpoints on the host — unless this switch is on too: then this pool
+keeps the checkpoints and transformers' `save_on_cpu` is set aside for the call (`one_offload`), said once in the log
+and in the CP line. Never both (each would hold its own copy), never silently neither. Accelerate's
+`activation_checkpointing_offload` is refused under CP before compute (`foreign_offload_problem`), naming this
+switch. The switch acts through transformers' own checkpointing
 (`gradient_checkpointing_enable()`); a layer checkpointed otherwise (torch's `checkpoint_wrapper`, which FSDP2 and
 Accelerate apply, a hand-written `torch.utils.checkpoint`, DeepSpeed's) is refused with the switch on, before it
 computes (`foreign_checkpoint_problem`): never a switch that silently does nothing.
@@ -474,8 +478,69 @@ def offloaded_checkpoint_call(wrapped, instance, args, kwargs):
             raise UnsupportedSetupError(problem)
     if not offload_applies(instance):
         return wrapped(*args, **kwargs)
-    with HOST_CHECKPOINTS.offloading(args):
+    with HOST_CHECKPOINTS.offloading(args), one_offload(instance):
         return wrapped(*args, **kwargs)
+
+
+def transformers_offload(layer: torch.nn.Module) -> bool:
+    """Whether `layer` checkpoints through transformers' `offload=True` (its checkpoint inside torch's
+    `save_on_cpu`)."""
+    return getattr(layer, "gradient_checkpointing", False) and \
+        _saves_on_cpu(getattr(layer, "_gradient_checkpointing_func", None))
+
+
+def offload_in_effect(model: torch.nn.Module) -> str | None:
+    """Who keeps `model`'s checkpoints on the host, for the CP line and the plan: this pool ("VLMCP_OFFLOAD_CHECKPOINTS",
+    saying so where transformers' offload is set aside), transformers' `offload=True`, or nobody (None)."""
+    theirs = any(transformers_offload(m) for m in model.modules())
+    if SETTINGS.offload_checkpoints:
+        return "VLMCP_OFFLOAD_CHECKPOINTS" + (" (transformers' offload=True set aside)" if theirs else "")
+    return "transformers' offload=True" if theirs else None
+
+
+@contextlib.contextmanager
+def one_offload(layer: torch.nn.Module):
+    """Inside this pool's offloading of `layer`'s call (module docstring): where transformers' `offload=True` is on
+    too, the layer checkpoints without its `save_on_cpu` for the call — whose hooks, entered inside ours, would
+    otherwise take the checkpoint and leave this pool nothing (the same checkpoint and keywords, and the choice
+    carried as before)."""
+    function = getattr(layer, "_gradient_checkpointing_func", None)
+    if not transformers_offload(layer):
+        yield
+        return
+    _say_once_which_offload_acts()
+    layer._gradient_checkpointing_func = _without_save_on_cpu(function)
+    try:
+        yield
+    finally:
+        layer._gradient_checkpointing_func = function
+
+
+def _without_save_on_cpu(function):
+    """transformers' offload function (`partial(checkpoint_func, **kwargs)`, `checkpoint_func` entering `save_on_cpu`
+    around torch's checkpoint; maybe inside the package's `CheckpointUnderTheChoice`) as torch's checkpoint with the
+    same keywords, inside the same wrapper."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .switches import CheckpointUnderTheChoice
+
+    inner = function.checkpoint if isinstance(function, CheckpointUnderTheChoice) else function
+    plain = functools.partial(checkpoint, *inner.args, **inner.keywords)
+    return CheckpointUnderTheChoice(plain) if inner is not function else plain
+
+
+_SAID: list = []
+
+
+def _say_once_which_offload_acts() -> None:
+    if _SAID:
+        return
+    _SAID.append(True)
+    from .switches import LOGGER
+
+    LOGGER.warning("vlmcp_patch: checkpoints on the host asked twice, by VLMCP_OFFLOAD_CHECKPOINTS and by "
+                   "transformers' offload=True: the package's pool keeps them (copies behind compute, one reused "
+                   "pool); transformers' save_on_cpu is set aside, so no checkpoint is copied twice")
 
 
 @functools.cache
@@ -536,21 +601,17 @@ def _saves_on_cpu(fn) -> bool:
 
 
 def foreign_offload_problem(model) -> str | None:
-    """Under CP: checkpoint offload that is not this package's — transformers' `activation_checkpointing_enable(
-    offload=True)` (also through a Trainer) or Accelerate's FSDP2 `activation_checkpointing_offload` (torch's
-    `OffloadWrapper`). Both are exact but copy on the compute stream and pin memory per tensor every step (a slow
-    path), and raise on a machine without an accelerator: refused before compute, naming the package's switch."""
+    """Under CP: Accelerate's FSDP2 `activation_checkpointing_offload` (torch's `OffloadWrapper` around the
+    checkpoint wrapper): exact, but it copies on the compute stream and pins memory per tensor every step (a slow
+    path), and it checkpoints outside transformers, where the package's switch cannot act: refused before compute,
+    naming the package's switch. (transformers' own `offload=True` runs: module docstring.)"""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import OffloadWrapper
 
     if cp_size() == 1:  # a packed row at P=1: their offload runs as it does on stock
         return None
     for name, module in model.named_modules():
-        theirs = "Accelerate's activation_checkpointing_offload (torch's OffloadWrapper)" \
-            if isinstance(module, OffloadWrapper) else None
-        if theirs is None and getattr(module, "gradient_checkpointing", False) and \
-                _saves_on_cpu(getattr(module, "_gradient_checkpointing_func", None)):
-            theirs = "transformers' activation_checkpointing_enable(offload=True)"
-        if theirs is not None:
+        if isinstance(module, OffloadWrapper):
+            theirs = "Accelerate's activation_checkpointing_offload (torch's OffloadWrapper)"
             return (
                 f"{name or type(model).__name__} keeps its checkpoints on the host through {theirs}: its copies run "
                 "on the compute stream, pinning memory every step. Under CP use the package's own switch instead, "

@@ -23,6 +23,7 @@ while the package is applied, 1 when it is not) is `patching.cp_size`, next to t
 | `VLMCP_TIMEOUT` | `timeout` | the user's | seconds a collective of the CP groups may wait before it raises |
 | `VLMCP_DEBUG_COLLECTIVES` | `debug_collectives` | off | ranks compare their collectives after each forward and backward |
 | `VLMCP_RING_OVERLAP` | `ring_overlap` | on | a ring's passes run behind its blocks' compute |
+| `VLMCP_HEAD_CHUNKS` | `head_chunks` | 1 | under CP the softmax attention's exchange and kernel run in this many chunks of this rank's heads (`attention/head_chunks.py`; 1: unchunked) |
 | `VLMCP_DISABLE` | (`revert()`) | off | nothing is patched; every helper reports P=1 |
 """
 
@@ -105,6 +106,11 @@ class Settings:
     # A ring's passes run behind the compute of its blocks (off: each pass waits where it starts, the schedule before
     # the overlap, which benchmarks/ring_overlap.py compares). Read by each ring attention call.
     ring_overlap: bool = True
+    # Under CP the Ulysses exchange, the attention and the exchange back run one chunk of this rank's heads at a time,
+    # forward and backward (`attention/head_chunks.py`): no rank holds the whole sequence's q/k/v for all its heads at
+    # once. 1: unchunked (the path before it, bit for bit); N must divide each rank's query heads (checked before any
+    # compute).
+    head_chunks: int = 1
     # Tokens per tile of the decoder and vision MLPs (`tiles.py`): AUTO turns them on under CP when the row needs it
     # (`by_need.py`) and ON always, both sized from the slice and the MLP's widths (`tiles.tile_tokens`); N tiles of
     # N tokens, at P=1 too; 0 runs them untiled. Exact either way; the P=1 default never tiles.
@@ -145,6 +151,9 @@ class Settings:
         if not isinstance(self.ulysses_size, int) or isinstance(self.ulysses_size, bool) or self.ulysses_size < 0:
             raise UnsupportedSetupError(
                 f"ulysses_size must be a positive integer (0: automatic), got {self.ulysses_size!r}")
+        if not isinstance(self.head_chunks, int) or isinstance(self.head_chunks, bool) or self.head_chunks < 1:
+            raise UnsupportedSetupError(
+                f"head_chunks must be a positive integer (1: unchunked), got {self.head_chunks!r}")
         for name in ("mlp_tile_tokens", "vision_tile_patches"):
             tile = getattr(self, name)
             if tile not in (AUTO, ON) and (not isinstance(tile, int) or isinstance(tile, bool) or tile < 0):
@@ -177,6 +186,7 @@ def _from_environment() -> Settings:
         timeout=env_float("VLMCP_TIMEOUT", 0),
         debug_collectives=env_flag("VLMCP_DEBUG_COLLECTIVES"),
         ring_overlap=env_flag("VLMCP_RING_OVERLAP", True),
+        head_chunks=env_int("VLMCP_HEAD_CHUNKS", 1),
         mlp_tile_tokens=env_tokens("VLMCP_MLP_TILE_TOKENS"),
         recompute_norms=env_flag("VLMCP_RECOMPUTE_NORMS", AUTO),
         vision_tile_patches=env_tokens("VLMCP_VISION_TILE_PATCHES"),
@@ -205,6 +215,7 @@ def enable(
     timeout: float | None = None,
     debug_collectives: bool | None = None,
     ring_overlap: bool | None = None,
+    head_chunks: int | None = None,
     mlp_tile_tokens: int | str | None = None,
     recompute_norms: bool | str | None = None,
     vision_tile_patches: int | str | None = None,
@@ -229,6 +240,7 @@ def enable(
         "timeout": timeout,
         "debug_collectives": debug_collectives,
         "ring_overlap": ring_overlap,
+        "head_chunks": head_chunks,
         "mlp_tile_tokens": mlp_tile_tokens,
         "recompute_norms": recompute_norms,
         "vision_tile_patches": vision_tile_patches,

@@ -38,25 +38,10 @@ import torch
 
 from .forward.arguments import SHARE_RECORDS
 from .forward.host_pixels import host_rows, this_ranks_cut
+from .video_share import VideoItem, say_once
 
 # Video groups decoded per call of `VideoItem.rows`: the share's tensor plus this many groups is a rank's peak.
 GROUPS_PER_CALL = 16
-
-
-@dataclass(frozen=True)
-class VideoItem:
-    """One video of a row, known before decoding: `grid` (temporal patch groups, height and width in patches), as the
-    video processor's `video_grid_thw` gives it; `rows(first, count)` the pixel rows of groups first..first+count-1,
-    ((count * h * w), values), exactly as the processor's `pixel_values_videos` hold them (every frame resized to the
-    whole video's size); `key` what names its rows for the ranks' agreement — the file's content (a hash), the frames
-    chosen, any transform and its seed: ranks whose keys agree are taken to decode the same rows; `metadata` what
-    the processor's text expansion reads (Qwen3-VL: a `VideoMetadata` with `fps` and `frames_indices`, or a dict of
-    them; None: every frame, no frame rate)."""
-
-    grid: tuple[int, int, int]
-    rows: Callable[[int, int], torch.Tensor]
-    key: str
-    metadata: object = None
 
 
 @dataclass(frozen=True)
@@ -93,28 +78,50 @@ def _file_digest(path: str) -> str:
     return digest.hexdigest()
 
 
+def _file_backed(image) -> bool:
+    """A PIL image opened from a file by its name and not decoded yet (`tile` set): its content is the file's."""
+    name = getattr(image, "filename", "") or ""
+    return bool(name and getattr(image, "tile", None) and os.path.isfile(name))
+
+
 def _image_key(image) -> str:
-    """What names an image's content for the agreement: a PIL image opened from a file and not decoded yet, a hash of
-    the file's bytes (read, not decoded); any other image (decoded: its pixels may have been changed since), a hash
-    of its pixels with its mode, size, palette and transparency."""
+    """What names an image's content for the agreement: a path, or a PIL image opened from a file and not decoded yet,
+    a hash of the file's bytes (read, not decoded); any other image (decoded: its pixels may have been changed since),
+    a hash of its pixels with its mode, size, palette and transparency. `ShareDecoding` never decodes a caller's
+    lazily opened image in place (`_decodable`), so its key stays the file's from one epoch to the next."""
     from PIL import Image
 
+    if isinstance(image, (str, os.PathLike)):
+        return "file-sha256:" + _file_digest(os.fspath(image))
     if not isinstance(image, Image.Image):
         import numpy as np
 
         array = np.ascontiguousarray(image.numpy() if isinstance(image, torch.Tensor) else np.asarray(image))
         return f"array-sha256:{hashlib.sha256(array.tobytes()).hexdigest()}:{array.shape}:{array.dtype}"
-    name = getattr(image, "filename", "") or ""
-    if name and getattr(image, "tile", None) and os.path.isfile(name):
-        return "file-sha256:" + _file_digest(name)
+    if _file_backed(image):
+        return "file-sha256:" + _file_digest(image.filename)
     digest = hashlib.sha256(image.tobytes())
     digest.update(repr((image.mode, image.size, image.getpalette(), image.info.get("transparency"))).encode())
     return "pixels-sha256:" + digest.hexdigest()
 
 
+# EXIF orientations that swap an image's width and height (`PIL.ImageOps.exif_transpose`: transpose, rotations by 90
+# and 270 degrees, transverse).
+SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
+
+
 def _height_width(image) -> tuple[int, int]:
-    """An image's size in pixels, read without decoding it (a PIL image's header; an array's shape, channels where the
-    image processor would find them)."""
+    """An image's size in pixels as the image processor will see it, read without decoding it: a path's as
+    transformers' `load_image` leaves it (its header's size, width and height swapped where its EXIF orientation
+    turns it by 90 degrees: `load_image` applies `exif_transpose`); a PIL image's header; an array's shape, channels
+    where the image processor would find them."""
+    from PIL import ExifTags, Image
+
+    if isinstance(image, (str, os.PathLike)):
+        with Image.open(os.fspath(image)) as header:
+            width, height = header.size
+            orientation = header.getexif().get(ExifTags.Base.Orientation, 1)
+        return (width, height) if orientation in SWAPPING_ORIENTATIONS else (height, width)
     if hasattr(image, "size") and not callable(image.size) and not hasattr(image, "shape"):
         width, height = image.size
         return height, width
@@ -125,23 +132,32 @@ def _height_width(image) -> tuple[int, int]:
 
 
 def _flat_images(images) -> list:
-    """The images of a call as the processor flattens them (one image, a list, a list of lists per row); a path is
-    opened lazily (its header read)."""
-    from PIL import Image
-
+    """The images of a call as the processor flattens them (one image, a list, a list of lists per row). Paths stay
+    paths: the image processor loads them itself (transformers' `load_image`, which turns a photo by its EXIF
+    orientation)."""
     if images is None:
         return []
     if not isinstance(images, (list, tuple)):
         images = [images]
-    flat = [image for item in images for image in (item if isinstance(item, (list, tuple)) else [item])]
-    return [Image.open(image) if isinstance(image, (str, os.PathLike)) else image for image in flat]
+    return [image for item in images for image in (item if isinstance(item, (list, tuple)) else [item])]
+
+
+def _decodable(image):
+    """What the image processor is given to decode `image`: a path as it is (the processor's own loading); a lazily
+    opened file opened anew from its name (the caller's object is never decoded in place: its key, the file's hash,
+    stays, and it does not keep the decoded pixels); any other image as it is."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image) and _file_backed(image):
+        return Image.open(image.filename)
+    return image
 
 
 def _image_source(image, image_processor) -> _Source:
     height, width = _height_width(image)
 
     def rows(first: int, count: int) -> torch.Tensor:
-        return image_processor(images=[image], return_tensors="pt")["pixel_values"]
+        return image_processor(images=[_decodable(image)], return_tensors="pt")["pixel_values"]
 
     return _Source(image_grid(image_processor, height, width), rows, _image_key(image))
 
@@ -199,15 +215,17 @@ def decode_rows(sources: Sequence[_Source], rows: slice, width: int, dtype: torc
 class _GridsOnly:
     """Stands in for a processor's image or video processor while the processor expands the text: it returns the
     grids (and the videos' metadata) the decoded rows will have, and no pixel values; everything else is the real
-    sub-processor's."""
+    sub-processor's. `outputs` may be a function of the options the processor's call passes its sub-processor (the
+    videos are planned with exactly those)."""
 
-    def __init__(self, real, outputs: dict):
+    def __init__(self, real, outputs):
         self._real, self._outputs = real, outputs
 
     def __call__(self, *args, **kwargs):
         from transformers import BatchFeature
 
-        return BatchFeature({k: (list(v) if isinstance(v, list) else v) for k, v in self._outputs.items()})
+        outputs = self._outputs(kwargs) if callable(self._outputs) else self._outputs
+        return BatchFeature({k: (list(v) if isinstance(v, list) else v) for k, v in outputs.items()})
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -235,18 +253,31 @@ PIXEL_BOUNDS = ("min_pixels", "max_pixels")
 
 def _refuse_media_options(kwargs: dict, processor) -> None:
     """Raises for an option of the image or video processor in a call's `kwargs` (flat, or under `images_kwargs` /
-    `videos_kwargs`): it would change rows and grids this decoder derives from the processor's own settings, and
-    releases read them differently (5.6 ignores `max_pixels` in a call, 5.25 deprecates it). Text options pass."""
-    settings = set(PIXEL_BOUNDS)
-    for name in ("image_processor", "video_processor"):
+    `videos_kwargs`), naming the sub-processor that owns it: it would change rows and grids this decoder derives from
+    the processor's own settings, and releases read them differently (5.6 ignores `max_pixels` in a call, 5.25
+    deprecates it). Text options pass, and so does `video_metadata` (what the caller knows of an array's frames)."""
+    owners = {}
+    for name in ("video_processor", "image_processor"):  # an option both own is named under the image processor
         if getattr(processor, name, None) is not None:
-            settings |= set(getattr(processor, name).to_dict())
-    given = sorted(name for name in kwargs if name in settings or name in ("images_kwargs", "videos_kwargs"))
+            owners.update({option: name for option in getattr(processor, name).to_dict()})
+    owners.update({bound: "image_processor" for bound in PIXEL_BOUNDS})
+    nested = {"images_kwargs": "image_processor", "videos_kwargs": "video_processor"}
+    given = sorted(name for name in kwargs if name in owners or name in nested)
     if given:
+        where = []
+        for name in given:
+            if name in nested:
+                inner = kwargs[name] if isinstance(kwargs[name], dict) else {}
+                where += [f"processor.{owners.get(k, nested[name])}.{k}" for k in sorted(inner)] or [
+                    f"processor.{nested[name]}"]
+            elif name in PIXEL_BOUNDS:
+                where.append("processor.image_processor.size['shortest_edge' / 'longest_edge']")
+            else:
+                where.append(f"processor.{owners[name]}.{name}")
         raise ValueError(f"ShareDecoding takes the image and video settings from the processor itself, and was given "
-                         f"{', '.join(given)} for this call: set them on the processor (e.g. "
-                         "processor.image_processor.size = {'shortest_edge': ..., 'longest_edge': ...}), or give a "
-                         "VideoItem the grid and rows they make")
+                         f"{', '.join(given)} for this call: set {', '.join(where)} on the processor instead (e.g. "
+                         "processor.video_processor.fps = 1, or processor.image_processor.size = {'shortest_edge': ..., "
+                         "'longest_edge': ...})")
 
 
 class ShareDecoding:
@@ -285,13 +316,15 @@ class ShareDecoding:
             state["_cut"] = self.cut() or (1, 0)
         return state
 
-    def __call__(self, text, images: Sequence | None = None, videos: Sequence[VideoItem] | None = None, **kwargs):
+    def __call__(self, text, images: Sequence | None = None, videos=None, **kwargs):
         from PIL import Image
+
+        from .video_share import check_video_item, natural_videos, plan_video
 
         kwargs = dict(kwargs)
         kwargs.pop("return_tensors", None)
         _refuse_media_options(kwargs, self.processor)
-        images, videos = _flat_images(images), list(videos or [])
+        images, videos = _flat_images(images), natural_videos(videos)
         modalities = []  # (pixels key, grid key, sources, sub-processor)
         stand_ins = {}
         if images:
@@ -299,13 +332,32 @@ class ShareDecoding:
             modalities.append(("pixel_values", "image_grid_thw", sources, self.processor.image_processor))
             stand_ins["image_processor"] = {"pixel_values": torch.empty(0), "image_grid_thw": _grid(sources)}
         if videos:
-            sources = [_Source(tuple(int(n) for n in v.grid), v.rows, str(v.key)) for v in videos]
             video_processor = getattr(self.processor, "video_processor", None)
             if video_processor is None:
                 raise ValueError(f"{type(self.processor).__name__} has no video processor: it cannot expand videos")
+            sources = []  # filled when the processor's call passes its video options (the plans need them)
+
+            def planned(options: dict, videos=videos, video_processor=video_processor, sources=sources) -> dict:
+                options = {k: v for k, v in options.items() if k not in ("videos", "return_tensors")}
+                given = options.pop("video_metadata", None)
+                given = given if isinstance(given, (list, tuple)) else [given] * len(videos)
+                if len(given) != len(videos):
+                    raise ValueError(f"{len(videos)} videos and {len(given)} video_metadata: give one per video")
+                metadata = []
+                for video, meta in zip(videos, given):
+                    if isinstance(video, VideoItem):
+                        check_video_item(video, video_processor, options)
+                        sources.append(_Source(tuple(int(n) for n in video.grid), video.rows, str(video.key)))
+                        metadata.append(_metadata(video, video_processor))
+                    else:
+                        plan = plan_video(video, video_processor, options, meta)
+                        sources.append(_Source(plan.grid, plan.rows, plan.key))
+                        metadata.append(copy.deepcopy(plan.metadata))
+                return {"pixel_values_videos": torch.empty(0), "video_grid_thw": _grid(sources),
+                        "video_metadata": metadata}
+
             modalities.append(("pixel_values_videos", "video_grid_thw", sources, video_processor))
-            stand_ins["video_processor"] = {"pixel_values_videos": torch.empty(0), "video_grid_thw": _grid(sources),
-                                            "video_metadata": [_metadata(v, video_processor) for v in videos]}
+            stand_ins["video_processor"] = planned
         # The processor's own expansion over tiny stand-in inputs: its sub-processors are the grids-only stand-ins.
         expanding = copy.copy(self.processor)
         for name, outputs in stand_ins.items():
@@ -325,6 +377,11 @@ class ShareDecoding:
             grid = batch[grid_key]
             whole = int(grid.prod(-1).sum())
             rows = host_rows(grid, *cut) if cut is not None else None
+            if cut is not None and rows is None:
+                say_once(f"whole:{pixels_key}", f"ShareDecoding: {pixels_key} decoded whole on every rank of a CP group "
+                         f"of {cut[0]}: the items (grids {grid.tolist()}) do not split into {cut[0]} equal shares of "
+                         "whole items and temporal groups, so the forward shares them by patches and each rank needs "
+                         "them all (said once)")
             kept = rows if rows is not None else slice(0, whole)
             batch[pixels_key] = decode_rows(sources, kept, _pixel_width(sub_processor), self.dtype,
                                             self.groups_per_call)

@@ -1,5 +1,5 @@
-"""Token and vision-patch counts of the CP forwards and the tiles run (`tiles.py`, `vision_tiles.py`), for
-`VLMCPCallback`'s logs (telemetry: no forward reads it)."""
+"""Token and vision-patch counts of the CP forwards, the forwards that held a host cut of the pixel values, and the
+tiles run (`tiles.py`, `vision_tiles.py`), for `VLMCPCallback`'s logs (telemetry: no forward reads it)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class LayoutStats:
     vision_total: int = 0  # patches of all ranks, summed
     vision_ranks: int = 1
     vision_placeholders: int = 0  # placeholder vision passes across replicas (integrations/vision_placeholder.py)
+    host_pixel_shares: int = 0  # forwards whose pixel values came cut to this rank's share (forward/host_pixels.py)
 
     def record(self, ctx: CPContext) -> None:
         self.forwards += 1
@@ -44,6 +45,8 @@ class LayoutStats:
             facts["cp_vision_imbalance"] = self.vision_busiest * self.vision_ranks / max(1, self.vision_total)
         if self.vision_placeholders:
             facts["cp_vision_placeholder_passes"] = self.vision_placeholders
+        if self.host_pixel_shares:
+            facts["cp_host_pixel_shares"] = self.host_pixel_shares
         fresh = LayoutStats()
         self.__dict__.update(fresh.__dict__)
         return facts

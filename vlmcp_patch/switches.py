@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import types
 from dataclasses import dataclass, fields
 
 import torch.distributed as dist
@@ -77,6 +78,7 @@ class Choice:
     ulysses: int
     ring: int
     replicas: int
+    offload: str | None = None  # who keeps the checkpoints on the host (`offload.offload_in_effect`)
 
     def line(self) -> str:
         """The one log line (module docstring)."""
@@ -88,9 +90,10 @@ class Choice:
             states.append(f"{LABELS[name]} {state}{' (set)' if name in self.explicit else ''}")
         room = "no limit known" if self.room is None else f"{size_text(self.room)} free after the margin"
         replicas = f"{self.replicas} data replica{'s' if self.replicas != 1 else ''}"
+        offload = f"; checkpoints on the host by {self.offload}" if self.offload else ""
         return (f"vlmcp_patch: CP on, P={self.size} (U x R = {self.ulysses} x {self.ring}), {replicas}; "
                 f"{', '.join(states)}: {self.why}; predicted peak {size_text(self.peak)} ({room}); row "
-                f"{self.tokens:,} tokens, {self.patches:,} patches")
+                f"{self.tokens:,} tokens, {self.patches:,} patches{offload}")
 
 
 class _State:
@@ -219,7 +222,14 @@ def checkpoints_carry_the_choice(model) -> None:
 class CheckpointUnderTheChoice:
     """A layer's checkpoint function that runs the checkpointed function, and its recomputation, under the choice in
     effect when the layer was called (`checkpoints_carry_the_choice`). A class, not a closure: a model holding it
-    still pickles as its checkpoint function does."""
+    still pickles as its checkpoint function does.
+
+    The wrapped function (transformers' `checkpoint`, or one a user or a CLI installed: LLaMA-Factory's reads
+    `func.func.__self__` to find the layer) receives what transformers gives it, in the same shape (issue 64):
+    transformers' partial — of the layer's bound `__call__`, or by release of its `forward` with the layer first —
+    stays a partial of a method bound to the same layer (or of a function of the same name), with the same args and
+    keywords (`_carrying`); only the innermost function runs the call under the captured choice. Outside any CP forward
+    there is nothing to carry and the function passes through untouched."""
 
     def __init__(self, checkpoint):
         self.checkpoint = checkpoint
@@ -227,12 +237,33 @@ class CheckpointUnderTheChoice:
         self.func = getattr(checkpoint, "func", checkpoint)
 
     def __call__(self, function, *args, **kwargs):
-        return self.checkpoint(functools.partial(_run_under, forward_choice(), function), *args, **kwargs)
+        return self.checkpoint(_carrying(forward_choice(), function), *args, **kwargs)
 
 
-def _run_under(captured, function, *args, **kwargs):
-    with replayed_choice(captured):
-        return function(*args, **kwargs)
+def _carrying(captured, function):
+    """`function` that runs under `captured` (what `forward_choice` returned at the forward), in its own shape: a
+    partial stays a partial of the same args and keywords, a bound method stays bound to the same object (so
+    `func.func.__self__` is still the layer), a function stays a function of the same name (`functools.wraps`)."""
+    if captured is _NO_FORWARD:
+        return function
+    if isinstance(function, functools.partial):
+        return functools.partial(_carrying(captured, function.func), *function.args, **function.keywords)
+    owner = getattr(function, "__self__", None)
+    if isinstance(function, types.MethodType) and owner is not None:
+        return types.MethodType(_run_under(captured, function, bound=True), owner)
+    return _run_under(captured, function)
+
+
+def _run_under(captured, function, bound: bool = False):
+    """`function` called under the captured choice (`replayed_choice`); as a bound method's function (`bound`) the
+    object it is bound to is dropped, `function` being bound to it already."""
+
+    @functools.wraps(function)
+    def run_under_the_choice(*args, **kwargs):
+        with replayed_choice(captured):
+            return function(*args[bound:], **kwargs)
+
+    return run_under_the_choice
 
 
 CHOOSER: list = []  # by_need.choose_switches, registered when the package loads

@@ -188,12 +188,37 @@ def vision_in_tiles(encode: Callable[[Tile, torch.Tensor], torch.Tensor], tower:
     return recompute_in_tiles(work, [pixels], params, anchor)
 
 
+def one_order_required(tower: torch.nn.Module) -> bool:
+    """Whether every call of `tower` now runs through the recomputed function, one tile where its switch is off: in a
+    data-parallel step whose wrapper reduces gradients in their arrival order (`replica_step`: DeepSpeed's ZeRO),
+    with gradients, where the vision passes are matched across replicas (under CP, or `VLMCP_MATCH_VISION_PASSES=1`).
+
+    The replicas' calls differ in what they hold — real items beside a placeholder, a share by items beside one by
+    patches — and the stock tower's weights' gradients then arrive in orders that follow its outputs' consumers (a
+    placeholder's deepstack levels reach the tower before its merged features). Through the recomputed function each
+    call delivers every weight's gradient at one node, in the parameters' order, whatever the call holds, so every
+    replica fills the wrapper's buckets alike. It costs one more forward of the tower only where its blocks are not
+    checkpointed already (a tile is the recomputation unit); where its weights are gathered per submodule it cannot
+    run (ZeRO-3 makes the tower a leaf under CP for it: `gather_whole_towers_under_zero3`)."""
+    from .distributed import cp_requested, data_parallel_world_size
+    from .replica_step import replica_step
+
+    if not torch.is_grad_enabled() or not (cp_requested() or SETTINGS.match_vision_passes is True):
+        return False
+    if data_parallel_world_size() == 1:
+        return False
+    step = replica_step(tower)
+    return step is not None and step.arrival_order
+
+
 def tiling_applies(tower: torch.nn.Module) -> bool:
     """Whether the tower runs in tiles now: its switch on (`switches.vision_tiles_on`: as set at any P, chosen by
-    need under CP), not while torch.compile traces, its parameters not gathered per module (module docstring)."""
+    need under CP) or one order required (`one_order_required`: one tile), not while torch.compile traces, its
+    parameters not gathered per module (module docstring)."""
     from .switches import vision_tiles_on  # set, or chosen by need under CP
 
-    return vision_tiles_on() and not torch.compiler.is_compiling() and not gathers_per_submodule_call(tower)
+    return ((vision_tiles_on() or one_order_required(tower)) and not torch.compiler.is_compiling()
+            and not gathers_per_submodule_call(tower))
 
 
 # What a call of the tower may ask beside its features (merged and deepstack). The tiles return the features only,
@@ -218,12 +243,13 @@ def tiles_whole_call(tower: torch.nn.Module, kwargs: dict, tables: Sequence[str]
 
 
 def _tiles_of(config, units: Sequence[tuple[int, int, int]]) -> list[Tile]:
-    """The tiles of a share whose units are `units` [(frames, height, width)], by the automatic or configured size."""
-    from .switches import size_setting  # "on" sizes like "auto"
+    """The tiles of a share whose units are `units` [(frames, height, width)], by the automatic or configured size;
+    one tile where the switch is off (the function runs for one order alone: `one_order_required`)."""
+    from .switches import size_setting, vision_tiles_on  # "on" sizes like "auto"
 
     patches = sum(t * h * w for t, h, w in units)
     budget = tile_patches(patches, vision_work_per_patch(config), kept_per_patch(config),
-                          size_setting(SETTINGS.vision_tile_patches))
+                          size_setting(SETTINGS.vision_tile_patches)) if vision_tiles_on() else patches
     return plan_tiles(units, budget, config.spatial_merge_size**2)
 
 
@@ -234,14 +260,20 @@ TILES_KWARG = "vlmcp_vision_tiles"
 
 def encode_in_tiles(tower, pixels: torch.Tensor, units: Sequence[tuple[int, int, int]],
                     encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                    anchor: torch.Tensor | None = None) -> torch.Tensor:
+                    anchor: torch.Tensor | None = None, one_tile: bool = False) -> torch.Tensor:
     """The joined features (merged tokens, features) of a share by items — `pixels` (patches, width) its rows,
     `units` [(frames, height, width)] its grid — computed in tiles (one if that is all it makes: `tiling_applies`
     decides for the group); `encode(pixels, grid_thw)` runs the tower's unhooked forward and returns the joined
     features; `anchor`: a ZeRO-3 leaf tower's (`vision_in_tiles`). Called inside the tower's call (module docstring).
     `pixels` may be on the host (the integrations leave them there under CP): each tile's rows go to the tower's
-    device and dtype when the tile runs, so the device never holds the whole share's pixels."""
-    tiles = _tiles_of(tower.config, units)
+    device and dtype when the tile runs, so the device never holds the whole share's pixels. `one_tile`: every row of
+    `pixels` in one tile with the grid `units` (a slice of all items' patches, `forward/vision.encode_patch_slices`,
+    which only the whole slice encodes)."""
+    if one_tile:
+        merged = pixels.shape[0] // tower.config.spatial_merge_size**2
+        tiles = [Tile((0, pixels.shape[0]), tuple(tuple(u) for u in units), (0, merged))]
+    else:
+        tiles = _tiles_of(tower.config, units)
     placement = tower_placement(tower)
     device = placement["device"]
 
@@ -264,9 +296,10 @@ VISION_TOWER_CLASSES: set[str] = set()
 def gather_whole_towers_under_zero3(model: torch.nn.Module | None) -> None:
     """Before `deepspeed.initialize` under CP: every vision tower of the families becomes a ZeRO-3 leaf module — its
     weights gathered whole once per call by its own hooks, its modules without hooks of their own — so its tiles
-    start no gathers (module docstring). With vision tiling off, nothing: the tower is gathered module by module as
-    stock does, and runs untiled."""
-    if model is None or SETTINGS.vision_tile_patches == 0:
+    start no gathers (module docstring). With vision tiling off too: where the replicas' gradients must arrive in one
+    order every call runs through the recomputed function (`one_order_required`), which a tower gathered module by
+    module cannot."""
+    if model is None:
         return
     for module in model.modules():
         if type(module).__name__ in VISION_TOWER_CLASSES:

@@ -107,7 +107,7 @@ def budgets(rank: int, world_size: int, names=("roomy", "medium", "tight", "refu
                 counts.drain()
             lines.lines.clear()
             result = {"budget": budget * GIB}
-            by_need.STATE.choice = None
+            by_need.STATE.choice = by_need.STATE.logged = None  # each budget a run of its own: its first forward logs
             try:
                 result.update(measured_step(model, batch, world_size))
                 if name == "roomy":  # a second step at the same budget: the same choice, no second line

@@ -135,7 +135,9 @@ def cache_keyword(rank):
 
 
 @scenario
-def logits_to_keep(rank):
+def logits_to_keep_with_every_label(rank):
+    """Stock's loss pairs the kept logits with the labels one to one: the labels of every position do not pair with
+    one kept logit (tests/test_logits_to_keep.py runs the forms that do)."""
     return vl_model(), one_sample(), {"logits_to_keep": 1}
 
 

@@ -34,6 +34,52 @@ def refusal(model, batch: dict) -> str:
     return "ran"
 
 
+def _outcome(run) -> tuple[str, str]:
+    """("ran", the loss) of `run()`, or (the exception's type, its first line)."""
+    try:
+        return "ran", repr(float(run()[0]))
+    except Exception as exc:  # noqa: BLE001 - the outcome compared with stock's
+        return type(exc).__name__, str(exc).splitlines()[0][:300]
+
+
+def transformers_offload_outcomes(batch: dict) -> dict:
+    """Under CP (inside the spawned ranks), transformers' own `offload=True` (5.23+): alone, the step's outcome beside
+    stock's at P=1 on the same batch (on a machine without an accelerator both raise its pinning error); asked with
+    `VLMCP_OFFLOAD_CHECKPOINTS` too, whether the step is bit for bit the package's offload over plain checkpointing,
+    the pool's counts of each, and the log's lines."""
+    import logging
+
+    import vlmcp_patch
+    from vlmcp_patch import by_need
+    from vlmcp_patch.offload import HOST_CHECKPOINTS
+
+    vlmcp_patch.revert()
+    try:
+        stock = _outcome(lambda: step(checkpointed_model("qwen3_vl", False, offload=True), batch))
+    finally:
+        vlmcp_patch.apply()
+    alone = _outcome(lambda: step(checkpointed_model("qwen3_vl", False, offload=True), batch))
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("vlmcp_patch").addHandler(handler)
+    vlmcp_patch.enable(offload_checkpoints=True)
+    try:
+        HOST_CHECKPOINTS.counts.drain()
+        plain_loss, plain_grads = step(checkpointed_model("qwen3_vl", False), batch)
+        plain = HOST_CHECKPOINTS.counts.drain()
+        by_need.STATE.logged = None  # the CP line again, at the next forward (a first one logs it)
+        both_loss, both_grads = step(checkpointed_model("qwen3_vl", False, offload=True), batch)
+        both = HOST_CHECKPOINTS.counts.drain()
+    finally:
+        vlmcp_patch.enable(offload_checkpoints=False)
+        logging.getLogger("vlmcp_patch").removeHandler(handler)
+    identical = torch.equal(plain_loss, both_loss) and plain_grads.keys() == both_grads.keys() and all(
+        torch.equal(plain_grads[n], both_grads[n]) for n in plain_grads)
+    return {"alone": alone, "stock": stock, "both identical": identical, "plain counts": plain, "both counts": both,
+            "lines": lines}
+
+
 def accelerate_offloaded_model():
     """The tiny Qwen3-VL as Accelerate's FSDP2 `activation_checkpointing_offload` leaves its decoder layers: torch's
     checkpoint wrapper inside its offload wrapper (`save_on_cpu` around each layer)."""
@@ -125,8 +171,8 @@ def run_offload_cases(rank: int, world_size: int) -> dict:
                 }
         batch = build_batch(MULTI_IMAGE, seed=7)
         has_offload = hasattr(build_model(CONFIGS["qwen3_vl"]()), "activation_checkpointing_enable")  # 5.23+
-        results["transformers offload"] = refusal(checkpointed_model("qwen3_vl", False, offload=True), batch) \
-            if has_offload else "not in this transformers"
+        results["transformers offload"] = transformers_offload_outcomes(batch) if has_offload \
+            else "not in this transformers"
         results["accelerate offload"] = refusal(accelerate_offloaded_model(), batch)
     finally:
         vlmcp_patch.enable(cp_size=1)

@@ -76,6 +76,7 @@ def _step(model, batches: list[dict], order: list[str]) -> dict:
     """Forwards of `batches` (one after the other, each with its graph), one backward of their losses' sum: the
     switches each forward ran with (its context's choice, `CPContext.choice`) and the accumulation order, or the
     error the backward raised."""
+    import vlmcp_patch
     from vlmcp_patch import by_need
     from vlmcp_patch.tiles import TILES
 
@@ -84,7 +85,8 @@ def _step(model, batches: list[dict], order: list[str]) -> dict:
     TILES.drain()
     losses, choices = [], []
     for batch in batches:
-        losses.append(model(**batch).loss)
+        with vlmcp_patch.data_parallel_step():  # the replicas reduce these gradients together (`_summed`)
+            losses.append(model(**batch).loss)
         choices.append(by_need.STATE.choice.switches.on())
     try:
         sum(losses).backward()

@@ -31,8 +31,13 @@ def processor_with_videos():
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     processor = tiny_processor()
+    # Bounds under which the row's video (16 frames of 16 x 16) keeps its size: `ShareDecoding` checks a `VideoItem`'s
+    # grid against the processor's rule where torchvision runs it.
+    factor = PATCH_SIZE * MERGE_SIZE
     processor.video_processor = Qwen3VLVideoProcessor(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE,
-                                                      temporal_patch_size=TEMPORAL_PATCH_SIZE)
+                                                      temporal_patch_size=TEMPORAL_PATCH_SIZE,
+                                                      size={"shortest_edge": 16 * factor * factor,
+                                                            "longest_edge": 1024 * factor * factor})
     return processor
 
 
@@ -78,8 +83,9 @@ def video_item(decodes: Decodes, key: str = "video-0", seed: int = 100):
 
 
 def images(decodes: Decodes) -> list:
-    """Four 16 x 16 pictures, written once as PNG files and opened lazily (`PIL.Image.open` reads the header), each load
-    counted (`load`, where a lazily opened file decodes)."""
+    """Four 16 x 16 pictures, written once as PNG files and opened lazily (`PIL.Image.open` reads the header). Their
+    decodes are counted (`_count_decodes`: `ShareDecoding` decodes a lazily opened file from its name, never the
+    caller's object)."""
     import os
     import tempfile
     from pathlib import Path
@@ -96,16 +102,33 @@ def images(decodes: Decodes) -> list:
             part = folder / f"image-{seed}.{os.getpid()}.png"
             make_image(16, 16, seed=seed).save(part)
             os.replace(part, path)
-        image = Image.open(path)
-        load = image.load
-
-        def counted(seed=seed, load=load):
-            decodes.images.append(seed)
-            return load()
-
-        image.load = counted
-        out.append(image)
+        out.append(Image.open(path))
+        _COUNTERS[str(path)] = decodes
+    _count_decodes()
     return out
+
+
+# Which `Decodes` counts the decodes of each picture file: the last `images` call's (one row at a time per process).
+_COUNTERS: dict[str, Decodes] = {}
+
+
+def _count_decodes() -> None:
+    """Counts, once installed in a process, each picture of `images` that `ShareDecoding` decodes (by its seed), in
+    the `Decodes` of the last `images` call that opened it."""
+    from vlmcp_patch import share_decode
+
+    real = share_decode._decodable
+    if getattr(real, "counted", False):
+        return
+
+    def decodable(image):
+        name = str(getattr(image, "filename", "") or "")
+        if name in _COUNTERS:
+            _COUNTERS[name].images.append(int(name.rsplit("image-", 1)[1].split(".")[0]))
+        return real(image)
+
+    decodable.counted = True
+    share_decode._decodable = decodable
 
 
 def build(size: int | None = None, rank: int | None = None, key: str = "video-0", dtype=None,

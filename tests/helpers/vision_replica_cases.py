@@ -38,21 +38,24 @@ def _stock_mean_grads(model, rows: list) -> dict:
     return total
 
 
-# (name, `VLMCP_VISION_TILE_PATCHES` per rank, ZeRO stage, rows): the same setting on both replicas; the control,
-# rank 1 untiled; rank 1 with text alone; ZeRO-3
-REPLICA_CASES = [("same setting", [32, 32], 2, "videos"), ("rank 1 untiled", [32, 0], 2, "videos"),
-                 ("placeholder", [32, 32], 2, "text beside a video"), ("zero3", [32, 32], 3, "videos")]
+# (name, `VLMCP_VISION_TILE_PATCHES` per rank, ZeRO stage, rows, `VLMCP_MATCH_VISION_PASSES`): the same setting on
+# both replicas; rank 1 untiled with the passes matched (every call through the tiled function: one order); the
+# control, rank 1 untiled without matching; rank 1 with text alone; ZeRO-3
+REPLICA_CASES = [("same setting", [32, 32], 2, "videos", True), ("rank 1 untiled", [32, 0], 2, "videos", True),
+                 ("rank 1 untiled, unmatched", [32, 0], 2, "videos", False),
+                 ("placeholder", [32, 32], 2, "text beside a video", True), ("zero3", [32, 32], 3, "videos", True)]
 
 
 def run_replica_cases(rank: int, world_size: int) -> dict:
     """Per case of `REPLICA_CASES`: `_replica_step`."""
-    return {name: _replica_step(rank, tiles[rank], stage, rows) for name, tiles, stage, rows in REPLICA_CASES}
+    return {name: _replica_step(rank, tiles[rank], stage, rows, match)
+            for name, tiles, stage, rows, match in REPLICA_CASES}
 
 
-def _replica_step(rank: int, tiles: int, stage: int, rows: str) -> dict:
-    """One backward at P=1 under ZeRO stage `stage` with `VLMCP_VISION_TILE_PATCHES=tiles`, each rank its row of
-    `ROWS[rows]`: this rank's tower tiles and the largest relative error of any parameter's reduced gradient against
-    stock's mean (with its name)."""
+def _replica_step(rank: int, tiles: int, stage: int, rows: str, match: bool) -> dict:
+    """One backward at P=1 under ZeRO stage `stage` with `VLMCP_VISION_TILE_PATCHES=tiles` and
+    `VLMCP_MATCH_VISION_PASSES=match`, each rank its row of `ROWS[rows]`: this rank's tower tiles and the largest
+    relative error of any parameter's reduced gradient against stock's mean (with its name)."""
     import deepspeed
 
     import vlmcp_patch
@@ -62,7 +65,7 @@ def _replica_step(rank: int, tiles: int, stage: int, rows: str) -> dict:
     layouts = ROWS[rows]
     model, _ = _model_and_batch("qwen3_vl", False, layouts[0])
     want = _stock_mean_grads(model, layouts)
-    vlmcp_patch.enable(cp_size=1, vision_tile_patches=tiles, match_vision_passes=True)
+    vlmcp_patch.enable(cp_size=1, vision_tile_patches=tiles, match_vision_passes=match)
     try:
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                   "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}

@@ -12,11 +12,11 @@ import torch
 from tests.helpers.vision_tile_cases import UNEVEN_VIDEOS, VIDEO_GROUPS, _model_and_batch
 
 # (name, layout, patches per tile), at P=2: the uneven videos make four tiles on rank 0 and one on rank 1 (one tower
-# call); the video of four groups beside two images, in tiles of a group, makes a tiled call (the video) and an untiled
-# one (the two images, which do not balance over two ranks, shared by patches: never tiled); by need with no memory
+# call); the video of four groups beside two images, in tiles of a group, makes two tiled calls (the video's, and the
+# two images', which do not balance over two ranks: shared by patches, their slice one tile); by need with no memory
 # limit known ("auto") two untiled calls: the leaf tower called twice per forward; with vision tiling off (0) the
-# tower is no leaf, gathered module by module, and called twice; with vision data parallelism off every rank runs
-# every item, in tiles, in each of its two calls.
+# leaf tower called twice untiled; with vision data parallelism off every rank runs every item, in tiles, in each of
+# its two calls.
 ZERO3_CASES = [("uneven tiles", UNEVEN_VIDEOS, 16), ("tiled and untiled calls", VIDEO_GROUPS, 1),
                ("untiled calls", VIDEO_GROUPS, "auto"), ("vision tiling off", VIDEO_GROUPS, 0),
                ("every item in tiles", VIDEO_GROUPS, 16, False)]

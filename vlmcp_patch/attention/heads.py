@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..errors import UnsupportedSetupError
 from ..distributed import ulysses_for
+from ..errors import UnsupportedSetupError
 from ..layout import kv_replication_factor
+from ..settings import SETTINGS
 
 
 class Axes(NamedTuple):
@@ -56,4 +57,9 @@ def ulysses_of(text_config, size: int) -> int:
     (`layout.Split`). At P=1 it is 1, without asking the launcher's environment or the host name."""
     if size == 1:
         return 1
-    return ulysses_for(size, head_counts(text_config))
+    ulysses = ulysses_for(size, head_counts(text_config))
+    if SETTINGS.head_chunks > 1:  # refused here, before any compute, on every rank alike (config only)
+        from .head_chunks import check_head_chunks
+
+        check_head_chunks(text_config, ulysses, SETTINGS.head_chunks)
+    return ulysses

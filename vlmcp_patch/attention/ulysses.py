@@ -12,6 +12,7 @@ boundaries, and turns the output back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -23,8 +24,10 @@ from ..context import CTX_KWARG, CPContext
 from ..distributed import cp_requested
 from ..errors import UnsupportedSetupError
 from ..patching import cp_size
+from ..settings import SETTINGS
 from ..supported import unsupported_model_message
 from .foreign import kernel_on_whole_sequence, record_exchange
+from .head_chunks import ChunkPlan, by_head_chunks, chunk_heads, chunk_kv_heads, head_chunk_problem
 from .heads import BHSD, BSHD, kv_replication
 from .ring import TORCH_KERNEL, ring_attention, ring_shares
 from .ring_flash import FLASH_KERNEL
@@ -79,7 +82,16 @@ def _ring_call(module, q, k, v, ctx: CPContext, flavor: str, kwargs) -> torch.Te
 def attention_over_cp(original, flavor: str, module, query, key, value, ctx: CPContext, kwargs) -> torch.Tensor:
     """Attention of this rank's slice: q/k/v (B, H, S/P, D) for all heads -> the subgroup's share of the row (the
     whole row when U = P) for H/U heads -> the stock kernel with the row's sample boundaries, or the ring across the
-    subgroups -> output (B, S/P, H, D) for all heads again."""
+    subgroups -> output (B, S/P, H, D) for all heads again. With head chunks (`SETTINGS.head_chunks` > 1) the same,
+    one chunk of the H/U heads at a time (`head_chunks.py`)."""
+    chunks = SETTINGS.head_chunks
+    if chunks > 1 and not getattr(module, "is_causal", True):
+        # the vision tower's attention: as many of the chunks as its heads allow (the count is checked against the
+        # decoder's query heads, before any compute)
+        heads, size = query.shape[BHSD.heads], ctx.groups.ulysses.size
+        chunks = math.gcd(chunks, heads // size) if heads % size == 0 else 1
+    if chunks > 1:
+        return _attention_by_head_chunks(original, flavor, module, query, key, value, ctx, kwargs, chunks)
     ulysses = ctx.groups.ulysses
     group, size = ulysses.group, ulysses.size
     num_heads, num_kv = query.shape[BHSD.heads], key.shape[BHSD.heads]
@@ -98,6 +110,45 @@ def attention_over_cp(original, flavor: str, module, query, key, value, ctx: CPC
             out = _ring_call(local, q, k, v, ctx, flavor, kwargs)  # (B, S/R, H/U, D)
     record_exchange(ctx)
     return all_to_all(out, BSHD.seq, BSHD.heads, group, size)  # (B, S/P, H, D)
+
+
+def _attention_by_head_chunks(original, flavor: str, module, query, key, value, ctx: CPContext, kwargs,
+                              chunks: int) -> torch.Tensor:
+    """`attention_over_cp` by `chunks` chunks of this rank's heads: chunk c exchanges the heads of virtual rank
+    r * chunks + c of a Ulysses layout of U x chunks ranks (`head_chunks.chunk_heads`), their key/value heads with
+    them, runs the kernel (or the ring) on them and exchanges its output back into those heads."""
+    ulysses = ctx.groups.ulysses
+    group, size = ulysses.group, ulysses.size
+    num_heads, num_kv = query.shape[BHSD.heads], key.shape[BHSD.heads]
+    what = type(module).__name__
+    kv_replication(num_heads, num_kv, size, what=what)  # the layout's own refusals first
+    problem = head_chunk_problem(num_heads, size, chunks, what=what)
+    if problem is not None:
+        raise UnsupportedSetupError(problem)
+    if kwargs.get("dropout"):
+        raise UnsupportedSetupError(f"{what}: attention dropout cannot run by head chunks (VLMCP_HEAD_CHUNKS="
+                                    f"{chunks}; the backward recomputes each chunk); set the model's "
+                                    "attention_dropout to 0 or VLMCP_HEAD_CHUNKS=1")
+    for name in _LOCAL_SEQUENCE_KWARGS:
+        kwargs.pop(name, None)
+
+    def chunk(q, k, v):  # (B, U * h, S/P, D) -> (B, S/P, U * h, D), h = H / (U * chunks)
+        q, k, v = (all_to_all(t, BHSD.heads, BHSD.seq, group, size) for t in (q, k, v))
+        local = _LocalHeads(module, q.shape[BHSD.heads] // k.shape[BHSD.heads])
+        with kernel_on_whole_sequence():
+            if ctx.contiguous:
+                out = _GLOBAL_CALL[flavor](original, local, q, k, v, ctx, dict(kwargs))
+            else:
+                out = _ring_call(local, q, k, v, ctx, flavor, dict(kwargs))
+        return all_to_all(out, BSHD.seq, BSHD.heads, group, size)
+
+    heads = chunk_heads(num_heads, size, chunks)
+    kv_heads = chunk_kv_heads(num_heads, num_kv, size, chunks)
+    plan = ChunkPlan(run=chunk, inputs=((BHSD.heads, heads), (BHSD.heads, kv_heads), (BHSD.heads, kv_heads)),
+                     output=(BSHD.heads, heads))
+    out = by_head_chunks(plan, query, key, value)
+    record_exchange(ctx)
+    return out
 
 
 def ulysses_attention(original: Callable, flavor: str) -> Callable:

@@ -129,3 +129,11 @@ def group_timeout(group):
         except Exception:  # noqa: BLE001 - a private API, and a group without that device's backend
             continue
     return None
+
+
+def all_reduced(values: list[float], op, group, device: torch.device) -> list[float]:
+    """`values` reduced with `op` over `group`, through the package's collective wrapper, on `device` (the batch's:
+    NCCL reduces device tensors only)."""
+    flags = torch.tensor(values, dtype=torch.float64, device=device)
+    communicate("all-reduce", group, flags.numel(), lambda: dist.all_reduce(flags, op=op, group=group))
+    return flags.tolist()

@@ -39,6 +39,7 @@ from ..flags import CARRIED_BATCH
 from ..layout import BY_ITEMS, VisionShare
 from ..patching import cp_size
 from ..settings import SETTINGS
+from ..stats import STATS
 from .agreement import tensor_fingerprint
 from .arguments import SHARE_RECORDS, VISION
 from .plan import ForwardPlan
@@ -102,6 +103,7 @@ def take_records(call: dict) -> dict[str, torch.Tensor]:
     for key, record in records_of(batch).items():
         if key not in records and _is_the_share(call.get(key), batch.get(key), record):
             records[key] = record
+    STATS.host_pixel_shares += bool(records)  # telemetry: the forwards that held a cut share (VLMCPCallback)
     return {key: record.detach().cpu() for key, record in records.items()}
 
 

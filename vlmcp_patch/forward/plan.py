@@ -13,6 +13,8 @@
   from it and the row: each rank's positions);
 * **vision** — the row positions of each modality's placeholder tokens and how the ranks share its vision work
   (`layout.VisionShare`);
+* **kept logits** — with `logits_to_keep` (the top-level forward's), the row positions of the logits stock keeps and
+  their targets (`keep.KeptLogits`);
 * **digest** — one number for every decision, those the later steps do not read included (a packed row or not, who
   computed the positions, the attention implementation): the agreement compares it over the group.
 
@@ -34,6 +36,7 @@ from ..errors import Problem
 from ..layout import Segment, Split, VisionShare
 from ..settings import SETTINGS
 from .batch import read_batch
+from .keep import KeptLogits
 from .positions import positions_of
 from .refusals import first_refusal
 from .vision import encodes_patch_slices
@@ -66,12 +69,15 @@ class ForwardPlan:
     vision_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
     vision_shares: dict[str, VisionShare] = field(default_factory=dict)
     cumulative_lengths: torch.Tensor | None = None
+    kept: KeptLogits | None = None  # `logits_to_keep`'s logits and their targets; None: every logit
     digest: float = 0.0  # every rank that planned alike has the same (`agreement.agree`; `_digest`)
 
 
-def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False) -> ForwardPlan:
+def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False,
+                 keeps_logits: bool = False) -> ForwardPlan:
     """The plan of one forward of `model` on `call` in the CP group `cp` (None: CP off). `always`: take the
-    package's path at P=1 even for a batch stock gets right (`token_log_probs`). Never raises for the batch: a
+    package's path at P=1 even for a batch stock gets right (`token_log_probs`). `keeps_logits`: the caller scores
+    the logits `logits_to_keep` keeps (the top-level forward; elsewhere it is refused). Never raises for the batch: a
     refusal is part of the plan."""
     # 1. The batch, read once; the path: stock, unless CP is on or this is a packed row stock would get wrong.
     reading = read_batch(model, call, stock_allowed=cp is None and not always)
@@ -80,7 +86,7 @@ def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False) ->
     cp = cp or SINGLE_RANK
     path, packed = CP if cp.size > 1 else AT_P1, reading.packed
     # 2. The rules judge the reading; the positions (stock may refuse on the way).
-    refusal = first_refusal(model, cp, call, reading, packed)
+    refusal, kept = first_refusal(model, cp, call, reading, packed, keeps_logits)
     if refusal is None:
         try:
             positions, positions_from = positions_of(model, call, reading, packed)
@@ -98,7 +104,7 @@ def plan_forward(model, call: dict, cp: CPGroup | None, always: bool = False) ->
     return ForwardPlan(
         path, cp, device=reading.device, shape=reading.shape, real=reading.real, segments=reading.segments,
         positions=positions, ulysses=split.ulysses, vision_tokens=reading.placeholder_rows, vision_shares=shares,
-        cumulative_lengths=reading.cumulative_mask,
+        cumulative_lengths=reading.cumulative_mask, kept=kept,
         digest=_digest(path, packed, reading.segments, positions_from, split, shares, text._attn_implementation,
                        reading.cumulative_mask is not None),
     )

@@ -13,12 +13,16 @@ The rules are derived from what stock transformers does with each input:
   rows, used as given; a packed row's cumulative lengths and positions must agree;
 * attention segments: stock splits a row at restarting text positions when there is no mask (sdpa without a
   cache, flash-attention on one row) — which Qwen3.5's DeltaNet layers do not follow;
+* `cu_seq_lens_q/k`, `max_length_q/k`: a packed row's sample boundaries; beside an ordinary batch (a collator may add
+  `[0, L]` to every one-row batch) only for one row, and describing the samples its mask and positions make;
 * labels: the batch's shape, each in the vocabulary or -100, none at a padding position (padding is not
-  computed);
+  computed); with `logits_to_keep` (the top-level forward's), the kept logits' count, as stock's loss pairs them
+  (`keep.py`), and none at a kept padding position;
 * vision: grids of positive sizes divisible by the merge size, pixel rows matching the grids, as many image
   / video tokens as the grids give;
-* the model and the call's options: the attention implementation, head counts, no KV cache, no
-  `logits_to_keep`, no MoE router loss.
+* the model and the call's options: the attention implementation, head counts, no KV cache, `logits_to_keep` only
+  where the caller scores the kept logits itself (the top-level forward: not TRL's fused head, not
+  `token_log_probs`) and only as stock's slice takes it, no MoE router loss.
 
 The rules judge the call and what `batch.read_batch` read of it; they ask the batch nothing themselves.
 `first_refusal` runs them in the order above and returns the first that fails as a `Problem` (a rule raises
@@ -41,6 +45,7 @@ from ..patching import PATCHES, cp_size
 from ..supported import family_of
 from .arguments import CU_SEQ_LENS, VISION
 from .batch import BatchReading
+from .keep import KeptLogits, kept_positions, keeps_every_logit
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
 
@@ -56,20 +61,24 @@ def reject(message: str, error: type = CPInputError):
     raise Rejected(Problem(error, message))
 
 
-def first_refusal(model, cp: CPGroup, call: dict, reading: BatchReading, packed: bool) -> Problem | None:
+def first_refusal(model, cp: CPGroup, call: dict, reading: BatchReading, packed: bool,
+                  keeps_logits: bool = False) -> tuple[Problem | None, KeptLogits | None]:
     """The first rule the call breaks (module docstring), in order: the model and the call's options, tokens,
     labels, vision, position shapes, then a packed row's boundaries or an ordinary batch's mask and padding;
-    None when every rule holds. `packed`: the call is a packed row (`batch.is_packed_row`)."""
+    None when every rule holds. `packed`: the call is a packed row (`batch.is_packed_row`). `keeps_logits`: the
+    caller scores the logits `logits_to_keep` keeps (the top-level forward); then, beside the refusal, the kept
+    logits (`keep.KeptLogits`; None: stock's default, every logit)."""
     try:
-        check_setup(model, cp, call, reading.cache_given)
+        check_setup(model, cp, call, reading.cache_given, keeps_logits)
         shape = _check_tokens(model, call)
-        _check_labels(model, call, shape)
+        kept = _kept_logits(model, call, shape, reading.real) if keeps_logits else None
+        _check_labels(model, call, shape, kept)
         _check_vision(model, call, reading.placeholders)
         _check_position_shape(call, shape)
         (_check_packed_row if packed else _check_ordinary_batch)(model, call, shape, reading)
     except Rejected as rejected:
-        return rejected.problem
-    return None
+        return rejected.problem, None
+    return None, kept
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -127,9 +136,9 @@ def family_problem(model) -> Problem | None:
     return problem
 
 
-def check_setup(model, cp: CPGroup, call: dict, cache_given: bool) -> None:
-    """The model and the call's options against CP (its family, attention, heads, cache, logits_to_keep, router
-    loss)."""
+def check_setup(model, cp: CPGroup, call: dict, cache_given: bool, keeps_logits: bool = False) -> None:
+    """The model and the call's options against CP (its family, attention, heads, cache, logits_to_keep where the
+    caller does not score the kept logits itself, router loss)."""
     problem = family_problem(model)
     if problem is not None:
         reject(problem.message, problem.error)
@@ -144,10 +153,10 @@ def check_setup(model, cp: CPGroup, call: dict, cache_given: bool) -> None:
     if cache_given:
         reject("a past_key_values cache (incremental decoding) cannot be used under CP; generate() runs with CP "
                "bypassed by itself, or run the call inside `with vlmcp_patch.disabled():`.", UnsupportedSetupError)
-    keep = call.get("logits_to_keep", 0)
-    if not (isinstance(keep, int) and keep == 0):
-        reject("logits_to_keep is not supported under CP (generation uses it; generate() bypasses CP by itself); run "
-               "the call inside `with vlmcp_patch.disabled():`.", UnsupportedSetupError)
+    if not keeps_logits and not keeps_every_logit(call.get("logits_to_keep", 0)):
+        reject("logits_to_keep is supported under CP by the model's own forward only, not in this call (TRL's fused "
+               "LM head, vlmcp_patch.token_log_probs): leave it out, or run the call inside "
+               "`with vlmcp_patch.disabled():`.", UnsupportedSetupError)
     router = call.get("output_router_logits")
     if router is None:
         router = getattr(text_config, "output_router_logits", False)
@@ -177,13 +186,46 @@ def _check_tokens(model, call: dict) -> tuple[int, int]:
     return tuple(embeds.shape[:2])
 
 
-def _check_labels(model, call: dict, shape: tuple[int, int]) -> None:
+def _kept_logits(model, call: dict, shape: tuple[int, int], real: torch.Tensor | None) -> KeptLogits | None:
+    """The logits `logits_to_keep` keeps, with their targets (`keep.py`); None for stock's default (every logit). What
+    stock's slice or its loss would refuse is refused here, and a target at a kept padding position."""
+    keep = call.get("logits_to_keep", 0)
+    if keeps_every_logit(keep):
+        return None
+    try:
+        flat = kept_positions(model, keep, shape)
+    except (IndexError, ValueError, TypeError, RuntimeError) as exc:
+        shown = keep if not torch.is_tensor(keep) else keep.tolist() if keep.numel() <= 16 else \
+            f"<a tensor of shape {tuple(keep.shape)}>"
+        reject(f"logits_to_keep={shown} cannot slice tokens of shape {shape}, as stock's forward would: {exc}",
+               type(exc))
+    labels, shift_labels = call.get("labels"), call.get("shift_labels")
+    targets = None
+    if shift_labels is not None:
+        name, targets = "shift_labels", shift_labels.reshape(-1)
+    elif labels is not None:
+        name, targets = "labels", shifted_labels(labels).reshape(-1)
+    count = flat.numel()
+    if targets is not None and targets.numel() != count:
+        given = call[name]
+        reject(f"{name} have shape {tuple(given.shape)} ({given.numel()} targets) but logits_to_keep keeps {count} "
+               f"logits (shape {tuple(flat.shape)}): stock's loss pairs the kept logits one to one with the labels "
+               f"(shifted by the loss), so give the labels of the kept positions, shape {tuple(flat.shape)}",
+               ValueError)
+    kept = KeptLogits.of(flat, real, targets)
+    if targets is not None and bool(((kept.rows < 0) & (targets.cpu() != IGNORE_INDEX)).any()):
+        reject("labels of kept logits at padding positions (attention_mask 0) must be -100 under CP: padding is not "
+               "computed. Mask them as most collators do (labels[attention_mask == 0] = -100).")
+    return kept
+
+
+def _check_labels(model, call: dict, shape: tuple[int, int], kept: KeptLogits | None = None) -> None:
     vocab = model.config.get_text_config().vocab_size
     for name in ("labels", "shift_labels"):
         labels = call.get(name)
         if labels is None:
             continue
-        if tuple(labels.shape) != shape:
+        if kept is None and tuple(labels.shape) != shape:
             reject(f"{name} have shape {tuple(labels.shape)} but the tokens {shape}: give one label per token "
                    "(-100 where there is no target)", ValueError)
         valid = labels[labels != IGNORE_INDEX]
@@ -241,16 +283,47 @@ def _check_position_shape(call: dict, shape: tuple[int, int]) -> None:
 
 def _check_ordinary_batch(model, call: dict, shape: tuple[int, int], reading: BatchReading) -> None:
     deltanet = has_deltanet(model.config.get_text_config())
-    if any(call.get(k) is not None for k in CU_SEQ_LENS):
-        reject("cu_seq_lens / max_length describe one packed row: pass them with a batch of one row only")
     mask = call.get("attention_mask")
     if mask is not None:
         _check_mask(mask, shape, deltanet)
         _check_padding(call, reading.real, deltanet)
+    _check_lengths_of_one_row(call, shape, reading)
     if reading.restarts is not None and deltanet:
         reject("position_ids restart inside a row of this batch: stock splits attention there but runs the "
                "DeltaNet layers across the restarts; pass the samples as one packed row (every layer then "
                "restarts at each sample), or as padded rows with an attention_mask")
+
+
+def _check_lengths_of_one_row(call: dict, shape: tuple[int, int], reading: BatchReading) -> None:
+    """`cu_seq_lens_q/k` / `max_length_q/k` beside an ordinary batch (ms-swift's collator adds `[0, L]` to every
+    one-row batch, beside an all-ones mask): they describe the samples of one row, so the batch must be one row, and
+    they must describe the samples its mask and positions make (`reading.segments`: its real tokens, split where stock
+    restarts), which the row then runs as; they are dropped once checked (`rows.lay_out`)."""
+    given = [key for key in CU_SEQ_LENS if call.get(key) is not None]
+    if not given:
+        return
+    if shape[0] != 1:
+        reject(f"{' / '.join(given)} describe the samples of one packed row, but this batch has {shape[0]} rows: "
+               "pass them with a one-row batch only, or leave them out (the attention_mask gives each row's tokens)")
+    samples = [0, *(end for _, end in reading.segments)]
+    cu = call.get("cu_seq_lens_q")
+    if cu is not None and (cu.ndim != 1 or cu.tolist() != samples):
+        by = ("its attention_mask (its real tokens) gives" if reading.real is not None else
+              "its position_ids (where they restart) give" if reading.restarts is not None else "its tokens make")
+        split = (f" cu_seq_lens_q ends at {cu.flatten()[-1].item()} but the row holds {shape[1]} tokens: were the "
+                 "tokens already split across ranks (another sequence parallelism, such as a trainer's own "
+                 "sequence_parallel_size)? Under CP every rank of the group takes the whole row; turn the other off."
+                 if cu.numel() and cu.flatten()[-1].item() > shape[1] else "")
+        reject(f"cu_seq_lens_q {cu.tolist()} does not describe this one-row batch: {by} the samples "
+               f"{samples} (cumulative lengths).{split} Pass cu_seq_lens_q = {samples}, or leave it out; to pack "
+               "several samples in the row, leave out the attention_mask (a packed row: position_ids restarting at 0 "
+               "per sample, or cu_seq_lens_q alone)")
+    _check_cu_seq_lens_k(call)
+    longest = max(end - start for start, end in reading.segments)
+    for key in ("max_length_q", "max_length_k"):
+        value = call.get(key)
+        if value is not None and int(value) != longest:
+            reject(f"{key}={int(value)} but the longest sample of this one-row batch has {longest} tokens")
 
 
 def _check_mask(mask: torch.Tensor, shape: tuple[int, int], deltanet: bool) -> None:
@@ -277,6 +350,8 @@ def _check_padding(call: dict, real: torch.Tensor, deltanet: bool) -> None:
     if deltanet and not _real_tokens_are_one_run(real):
         reject("attention_mask has holes (padding between real tokens of a row): the DeltaNet layers run through "
                "them as zeros, which cannot be split exactly; pad on either side only, or pack the samples")
+    if not keeps_every_logit(call.get("logits_to_keep", 0)):
+        return  # the labels are those of the kept logits: checked with them (`_kept_logits`)
     targets = call["shift_labels"] if call.get("shift_labels") is not None else (
         None if call.get("labels") is None else shifted_labels(call["labels"]))
     if targets is not None and bool(((targets != IGNORE_INDEX) & ~real.to(targets.device)).any()):

@@ -9,7 +9,8 @@ Two kinds of batch arrive:
   ever built; outputs go back to the caller's layout (`CPContext.rows`).
 
 Positions (given or computed as stock computes them, in the plan) and labels (shifted on the caller's
-layout first, so the last real token of a row keeps the target stock gives it) travel with their tokens. The
+layout first, so the last real token of a row keeps the target stock gives it) travel with their tokens; with
+`logits_to_keep` the labels are those of the kept logits, which the plan holds with them (`keep.KeptLogits`). The
 row holds only small integer tensors; `slicing.cut_to_slice` then cuts it to this rank's slice.
 """
 
@@ -40,12 +41,15 @@ def lay_out(call: dict, plan: ForwardPlan) -> CPContext:
     rows = _to_row(call, plan)
     return CPContext(cp=plan.cp, segments=plan.segments, rows=rows, ulysses=plan.ulysses,
                      vision_tokens=plan.vision_tokens, vision_shares=plan.vision_shares,
-                     cumulative_lengths=plan.cumulative_lengths)
+                     cumulative_lengths=plan.cumulative_lengths, kept=plan.kept)
 
 
 def _to_row(call: dict, plan: ForwardPlan) -> RowLayout | None:
     """The packed row in `call`; returns where its tokens came from in the caller's batch (None when the call
     already was that row)."""
+    if plan.kept is not None:  # the kept logits' targets are the plan's
+        call.pop("labels", None)
+        call.pop("shift_labels", None)
     _with_targets(call)
     call["position_ids"] = plan.positions
     call.pop("attention_mask", None)

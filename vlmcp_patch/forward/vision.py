@@ -86,8 +86,8 @@ class _TiledOutput:
     widths) to make, after the tiles, an output of empty fields (no view of a tile's tensors: nothing of them kept
     alive)."""
 
-    def __init__(self):
-        self.cls, self.widths, self.deepstack = None, [], False
+    def __init__(self, one_tile: bool = False):
+        self.cls, self.widths, self.deepstack, self.one_tile = None, [], False, one_tile
 
     def joined(self, out) -> torch.Tensor:
         self.cls, self.widths = type(out), [f.shape[-1] for f in _features(out)]
@@ -96,6 +96,11 @@ class _TiledOutput:
 
     def template(self, like: torch.Tensor):
         merged, *levels = [like.new_empty((0, w)) for w in self.widths]
+        return self.cls(pooler_output=merged, **({"deepstack_features": levels} if self.deepstack else {}))
+
+    def whole(self, joined: torch.Tensor):
+        """The stock output class holding `joined`'s features (a whole call's: `tower_forward`)."""
+        merged, *levels = joined.split(self.widths, dim=-1)
         return self.cls(pooler_output=merged, **({"deepstack_features": levels} if self.deepstack else {}))
 
 
@@ -203,10 +208,17 @@ def encode_patch_slices(tower, pixels: torch.Tensor, grid: torch.Tensor, share: 
         else real
     tables = {k: v.to(placement["device"]) for k, v in _patch_tables(tower, grid, rows).items()}
     cu = torch.tensor([0, local_len], dtype=torch.int32, device=placement["device"])  # one local segment: the
-    out = tower(local, grid_thw=grid.to(placement["device"]), cu_seqlens=cu, max_seqlen=local_len,  # exchange
-                **tables, **kwargs, **{CTX_KWARG: vision_ctx})  # restores the global ones
+    # exchange restores the global ones. Where the tower runs through the recomputed function (its switch, or one
+    # order across replicas), the whole slice is its one tile: the slice's attention spans the ranks' slices
+    request = {TILES_KWARG: _TiledOutput(one_tile=True)} if tiling_applies(tower) else {}
+    out = tower(local, grid_thw=grid.to(placement["device"]), cu_seqlens=cu, max_seqlen=local_len,
+                **tables, **kwargs, **{CTX_KWARG: vision_ctx}, **request)
     STATS.record_vision([min(local_len, max(0, sum(frames) - r * local_len)) for r in range(cp.size)], cp.rank)
-    return out, _joined_features(out)[: share.held_by_ranks[cp.rank].numel()]
+    if request:
+        joined, out = out, request[TILES_KWARG].template(out)
+    else:
+        joined = _joined_features(out)
+    return out, joined[: share.held_by_ranks[cp.rank].numel()]
 
 
 def route_to_owners(local: torch.Tensor, held: list[torch.Tensor], owner: torch.Tensor, cp: CPGroup) -> torch.Tensor:
@@ -311,7 +323,7 @@ class _Anchored:
     the forward flattened a stock output (a pytree spec, for `tower_call` to rebuild it; None: not flattened)."""
 
     def __init__(self, tower, visible: bool):
-        self.tower, self.visible, self.hooked, self.spec = tower, visible, None, None
+        self.tower, self.visible, self.hooked, self.spec, self.whole = tower, visible, None, None, None
 
 
 # The anchored call in progress (`tower_call`), read by the tower's forward (`tower_forward`).
@@ -349,6 +361,8 @@ def tower_call(wrapped, instance, args, kwargs):
         anchors[id(instance)] = call.hooked
     if call.spec is not None:
         return tree_unflatten(list(result), call.spec)
+    if call.whole is not None:  # a whole call in tiles: its joined features, as the stock output class
+        return call.whole.whole(result if call.visible else result[0])
     return result if call.visible or not isinstance(result, list) else result[0]
 
 
@@ -361,8 +375,10 @@ def tower_forward(wrapped, instance, args, kwargs):
     (`vision_tiles.tiles_whole_call`: CP off, at P=1 only as set; under CP every item on every rank, a placeholder
     pass): the call's own items the same way, returned as the stock output class with the features whole (merged and
     deepstack; `last_hidden_state` None). Inside an anchored call (`tower_call`): the anchor is fed into the tiles,
-    or tied to the pixels of the stock forward; the output of a call torch's hooks should see is a tensor or a tuple
-    (the stock output's leaves), of one they should not a list or the stock output. Otherwise the stock forward."""
+    or tied to the pixels of the stock forward; the output of a call torch's hooks should see is one tensor in tiles
+    (a whole call's joined features too, rebuilt as the stock output by `tower_call`: ZeRO-3 gathers a leaf once per
+    output tensor in backward, so every tiled call of every replica shows one) or a tuple untiled (the stock output's
+    leaves), of one they should not a list or the stock output. Otherwise the stock forward."""
     request = kwargs.pop(TILES_KWARG, None)
     call, anchor = _ANCHORED.get(), None
     if call is not None and call.tower is instance:
@@ -379,11 +395,16 @@ def tower_forward(wrapped, instance, args, kwargs):
             def encode(rows: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
                 return request.joined(wrapped(rows, grid_thw=grid_thw, **named))
 
-            joined = encode_in_tiles(instance, pixels, grid.tolist(), encode, anchor)
+            joined = encode_in_tiles(instance, pixels, grid.tolist(), encode, anchor, one_tile=request.one_tile)
+            if anchor is not None:
+                # torch's hooks see one tensor, whatever the call: the leaf's gathers in backward (one per output
+                # tensor) then match across replicas whose calls differ (a placeholder beside a share by items)
+                if whole:
+                    call.whole = request
+                return [joined] if not call.visible else joined
             if not whole:
-                return [joined] if anchor is not None and not call.visible else joined
-            merged, *levels = joined.split(request.widths, dim=-1)
-            out = request.cls(pooler_output=merged, **({"deepstack_features": levels} if request.deepstack else {}))
+                return joined
+            out = request.whole(joined)
         elif anchor is None:
             return wrapped(*args, **kwargs)
         else:

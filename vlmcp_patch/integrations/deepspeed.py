@@ -17,6 +17,7 @@ from ..flags import BATCH_SIZED_BY_ACCELERATE
 from ..forward.arguments import call_arguments
 from ..grad_shares import reduced_by_wrapper
 from ..patching import Patch
+from ..replica_step import DEEPSPEED_STEP, ZERO3_STEP, marked_step
 from ..tiles import gather_whole_mlps_under_zero3
 from ..vision_tiles import gather_whole_towers_under_zero3
 from .setup import check_cp_setup, require_integration
@@ -108,6 +109,14 @@ def cp_deepspeed_initialize(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def engine_forward_as_a_replica_step(wrapped, instance, args, kwargs):
+    """The engine's forward is a data-parallel step (`replica_step`): every replica runs it, and its ZeRO optimizer
+    reduces gradients in their arrival order (at ZeRO-3 its weights are gathered per call, too)."""
+    step = ZERO3_STEP if instance.zero_optimization_partition_weights() else DEEPSPEED_STEP
+    with marked_step(step):
+        return wrapped(*args, **kwargs)
+
+
 def cp_zero3_avg_scatter_grads(wrapped, instance, args, kwargs):
     # ZeRO-3's reduce-scatter path averages over all W ranks, while its all-reduce path (and ZeRO-1/2)
     # divide by W/P for sequence parallelism: put the missing factor P back.
@@ -151,6 +160,13 @@ def patches() -> list[Patch]:
             "sequence-parallel size its other reduction paths divide by; multiply by P so it sums over CP",
             expects=("params_to_reduce",),
             mirrors=ZERO3_AVG_SCATTER_GRADS,
+            requires="deepspeed",
+        ),
+        Patch(
+            target="deepspeed.runtime.engine.DeepSpeedEngine.forward",
+            wrapper=engine_forward_as_a_replica_step,
+            reason="the engine's forward is the step every replica runs: the only forwards in which the replicas "
+            "agree over the world (switches, placeholder passes), and ZeRO reduces gradients in their arrival order",
             requires="deepspeed",
         ),
         Patch(

@@ -118,7 +118,8 @@ def full_logits_for_metrics(wrapped, instance, args, kwargs):
 def carrying_pixel_records(wrapped, instance, args, kwargs):
     """TRL < 1.16's DPOTrainer builds its model calls (the policy's, the reference's) from chosen keys of `inputs`,
     leaving behind the record of the host cut of the pixel values (`forward/host_pixels.py`): inside, a forward
-    whose pixel values are the cut share of `inputs` takes their record. (1.16 passes every key on.)"""
+    whose pixel values are the cut share of `inputs` takes their record. (1.16 passes every key on. In both, the
+    vision collator repeats the images for chosen and rejected, before the cut: nothing is concatenated after it.)"""
     with scoped(CARRIED_BATCH, call_arguments(wrapped, args, kwargs).get("inputs")):
         return wrapped(*args, **kwargs)
 

@@ -13,9 +13,14 @@ unchanged, its gradients are exactly zero, and forward and backward visit the to
 as on the ranks with real images.
 
 It acts under CP with more than one replica (setting `match_vision_passes`, `VLMCP_MATCH_VISION_PASSES`:
-on under CP by default; `1` also at P=1; `0` never), in every forward, with or without gradients: whether its
-all-reduce runs must not depend on a process's own state, such as its grad mode, or ranks in different modes would
-wait for each other.
+on under CP by default; `1` also at P=1; `0` never), in the forwards of a data-parallel step only
+(`replica_step.replica_step`: a wrapper's forward with gradients, or any forward of weights gathered per call): those
+every replica runs together, and the only ones whose tower calls a wrapper pairs across replicas. A forward some
+replicas run alone (an evaluation on rank 0) runs as it is, with no all-reduce to wait in.
+
+The placeholder's gradients arrive where the real pass's would: under a wrapper that reduces in arrival order every
+tower call runs through one recomputed function (`vision_tiles.one_order_required`), so a replica's placeholder
+image pass beside another's real one delivers the tower's weights' gradients in the same order.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from ..forward.arguments import call_arguments
 from ..forward.batch import batch_device
 from ..forward.vision import placeholder_vision_inputs
 from ..patching import Patch
+from ..replica_step import replica_step
 from ..settings import SETTINGS
 from ..sharding import fsdp2_units_within
 from ..stats import STATS
@@ -53,9 +59,9 @@ def matching_required(model) -> bool:
         # there (ZeRO-3 weights are gathered for the whole generation by TRL, DDP's are local)
         # (generate() runs inside `disabled()`: the configured CP size, not cp_requested())
         return bool(setting or SETTINGS.cp_size > 1) and fsdp2_units_within(model.visual)
-    # not the grad mode, which is this process's own: whether the world all-reduce runs may depend only on what every
-    # rank shares (the settings, the launch); in a forward without gradients the placeholder pass costs one token
-    return bool(setting) or cp_requested()
+    # only where every replica runs this forward (`replica_step`: a wrapper's forward, which reduces or gathers over
+    # the replicas): a forward some replicas run alone needs no matching, and its all-reduce would wait forever
+    return (bool(setting) or cp_requested()) and replica_step(model) is not None
 
 
 def missing_modalities(call: dict) -> frozenset:
