@@ -23,6 +23,7 @@ SETUPS = {
     "deltanet_mask_with_holes": ("CPInputError", "holes"),
     "deltanet_rows_restarting": ("CPInputError", "restart inside a row"),
     "labels_on_padding": ("CPInputError", "labels at padding positions"),
+    "image_tokens_on_padding": ("UnsupportedSetupError", "image tokens are padding (attention_mask 0)"),
     "script_attention_computing_itself": ("UnsupportedSetupError", "calls neither transformers' attention functions"),
     "script_flash_attention_bound_before_import": ("UnsupportedSetupError", "as bound before `import vlmcp_patch`"),
 }

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from tests.helpers.vision_replica_cases import stock_mean_grads
 from vlmcp_patch.fixtures.data import Segment as S
 from vlmcp_patch.fixtures.data import make_batch
 
@@ -30,25 +31,6 @@ CASES = {
 WRAPPERS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 ARRIVAL_ORDER = ("zero1", "zero2", "zero3")  # the wrappers that fill their buckets in arrival order
 CP = 2
-
-
-def stock_mean_grads(model, rows: list) -> dict:
-    """Every parameter's stock gradient (the package reverted), averaged over `rows`: what a data-parallel step over
-    one replica per row computes."""
-    import vlmcp_patch
-
-    total: dict = {}
-    vlmcp_patch.revert()
-    try:
-        for seed, layout in enumerate(rows):
-            ref = copy.deepcopy(model)
-            ref(**make_batch(layout, seed=seed)).loss.backward()
-            for n, p in ref.named_parameters():
-                if p.grad is not None:
-                    total[n] = total.get(n, 0) + p.grad / len(rows)
-    finally:
-        vlmcp_patch.apply()
-    return total
 
 
 def _record_vision_arrivals(model) -> list[str]:

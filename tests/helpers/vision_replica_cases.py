@@ -19,7 +19,7 @@ ROWS = {"videos": [[[S(text=5), S(video=(8, 16, 16)), S(text=4)]], [[S(text=7), 
         "text beside a video": [[[S(text=5), S(video=(8, 16, 16)), S(text=4)]], [[S(text=23)]]]}
 
 
-def _stock_mean_grads(model, rows: list) -> dict:
+def stock_mean_grads(model, rows: list) -> dict:
     """Every parameter's gradient of stock (the package reverted) averaged over the replicas' rows, as ZeRO-2's
     reduction averages them."""
     import vlmcp_patch
@@ -64,7 +64,7 @@ def _replica_step(rank: int, tiles: int, stage: int, rows: str, match: bool) -> 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     layouts = ROWS[rows]
     model, _ = _model_and_batch("qwen3_vl", False, layouts[0])
-    want = _stock_mean_grads(model, layouts)
+    want = stock_mean_grads(model, layouts)
     vlmcp_patch.enable(cp_size=1, vision_tile_patches=tiles, match_vision_passes=match)
     try:
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
