@@ -23,7 +23,6 @@ SETUPS = {
     "deltanet_mask_with_holes": ("CPInputError", "holes"),
     "deltanet_rows_restarting": ("CPInputError", "restart inside a row"),
     "labels_on_padding": ("CPInputError", "labels at padding positions"),
-    "image_tokens_on_padding": ("UnsupportedSetupError", "image tokens are padding (attention_mask 0)"),
     "script_attention_computing_itself": ("UnsupportedSetupError", "calls neither transformers' attention functions"),
     "script_flash_attention_bound_before_import": ("UnsupportedSetupError", "as bound before `import vlmcp_patch`"),
 }
@@ -69,7 +68,7 @@ RUNS = [
     "left_padding_qwen3_5", "mask_with_holes", "packed_samples_with_padding", "packed_samples_on_two_rows",
     "four_row_positions_restarting", "vision_with_embeddings_only", "nan_in_pixel_values", "inf_in_inputs_embeds",
     "official_padded_batch", "official_flattened_row", "return_dict_false", "three_query_heads",
-    "three_deltanet_value_heads", "text_after_an_image_batch",
+    "three_deltanet_value_heads", "text_after_an_image_batch", "image_tokens_on_padding",
 ]
 SECONDS = 10  # a bad batch raises on every rank within this (the group's timeout would be minutes)
 

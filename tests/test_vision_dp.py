@@ -159,3 +159,21 @@ def test_the_decoder_adds_the_routed_deepstack_levels_not_stocks_copies():
         assert len(set(cp_step)) == 1 and len(set(cp_logits)) == 1, (rank, cp_step, cp_logits)  # one routed tensor
         mixed_cp_step = by_batch["images and a video"]["storages"][2 * levels:3 * levels]
         assert len(set(mixed_cp_step)) == levels, (rank, mixed_cp_step)  # stock's joint levels, left as they are
+
+
+@pytest.mark.parametrize("cp_size", [2, pytest.param(4, marks=pytest.mark.integration)])
+def test_image_tokens_on_padding_train_as_stock(cp_size):
+    """LLaMA-Factory's fake image for a batch without images, its placeholder tokens padding: alone, and beside a real
+    image. Under CP its features go to no rank (stock places them on padding, where they reach no loss): the loss,
+    the logits at real tokens and every gradient summed over the group equal stock's, the tower's included (exactly
+    zero from the fake image). Before, every rank raised an IndexError in the features' route (issue 64)."""
+    from tests.helpers.padding_image_cases import run_padding_image_cases
+    from tests.helpers.parity import TOL
+
+    for rank, per_case in enumerate(run_distributed(run_padding_image_cases, cp_size, timeout=600)):
+        for case, m in per_case.items():
+            where = f"{case}, P={cp_size}, rank {rank}"
+            assert m["loss_err"] <= TOL and m["logits_err"] <= TOL, (where, m["loss_err"], m["logits_err"])
+            assert m["grad_err"] <= TOL, (where, m["worst_grad"], m["grad_err"])
+            assert m["missing_grads"] == [], where
+            assert not m["per_rank_grads_equal_reference"], where  # the ranks' shares, summed: CP ran

@@ -224,9 +224,10 @@ class CPContext:
         return gathered.index_select(dim, in_row_order[: self.seq_len].to(x.device))
 
     def owner_of(self, positions: torch.Tensor) -> torch.Tensor:
-        """The rank holding each of `positions` (row positions; CPU)."""
+        """The rank holding each of `positions` (row positions; CPU); -1 for a position -1 (a token not in the row)."""
         positions = positions.cpu()
-        return positions // self.local_len if self.contiguous else self.split.owners()[positions]
+        owners = positions // self.local_len if self.contiguous else self.split.owners()[positions.clamp_min(0)]
+        return torch.where(positions >= 0, owners, -1)
 
     def to_caller(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """A full-row tensor (1, tokens, ...) in the caller's batch layout (batch, width, ...)."""

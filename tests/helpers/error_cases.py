@@ -309,15 +309,12 @@ def input_ids_and_embeds(rank):
 
 @scenario
 def image_tokens_on_padding(rank):
-    """LLaMA-Factory's collator on a batch without images: a fake image whose placeholder tokens are padding (mask 0,
-    no labels), so that DDP sees the tower used. Stock runs it (its features reach no loss); the package's path drops
-    padding, so the features have no tokens: refused on every rank before compute (issue 64), not an IndexError."""
-    model = vl_model()
-    batch = make_batch([[S(text=6), S(image=(16, 16)), S(text=5)], [S(text=21)]], seed=3)
-    fake = batch["input_ids"] == model.config.image_token_id
-    batch["attention_mask"][fake] = 0
-    batch["labels"][fake] = -100
-    return model, batch, {}
+    """LLaMA-Factory's collator on a batch without images: a fake image whose tokens are padding (mask 0, no labels),
+    so that DDP sees the tower used. Stock runs it (its features reach no loss); under CP those features go to no
+    rank, and it runs with stock's loss (issue 64; before, an IndexError on every rank)."""
+    from tests.helpers.padding_image_cases import CASES
+
+    return vl_model(), CASES["fake image alone"](), {}
 
 
 @scenario

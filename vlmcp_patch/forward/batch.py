@@ -176,7 +176,8 @@ class BatchReading:
     inside the rows of an ordinary batch without a mask. `starts`: the row's sample starts on the caller's layout
     — a packed row's from its last source, an ordinary batch's first real token of each row and stock's restarts.
     `segments`: the samples of the packed row those starts make (the real tokens back to back), and
-    `placeholder_rows` each modality's placeholder tokens' positions in it (1D, ascending)."""
+    `placeholder_rows` each modality's placeholder tokens' positions in it, in their order (1D; -1: a placeholder
+    on padding, `_row_positions`)."""
 
     device: torch.device
     packed: bool = False
@@ -281,5 +282,13 @@ def _segments(real: torch.Tensor | None, starts: torch.Tensor) -> list[tuple[int
 
 
 def _row_positions(found: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
-    """Row positions (1D, ascending) of the tokens `found` (batch, seq) bool marks on the caller's layout."""
-    return (found if real is None else found[real]).reshape(-1).nonzero().flatten()
+    """The row position of each token `found` (batch, seq) bool marks on the caller's layout, in their order there
+    (1D): its place among the real tokens (the packed row), or -1 where it is padding. Stock fills every placeholder
+    token in that order, padding included, where a feature reaches no loss: LLaMA-Factory's collator gives a batch
+    without images a fake image whose tokens are padding, so that data-parallel wrappers see the tower used. Under CP
+    such a token's feature goes to no rank (`vision.route_to_owners`)."""
+    if real is None:
+        return found.reshape(-1).nonzero().flatten()
+    in_row = real.reshape(-1).cumsum(0) - 1
+    where = found.reshape(-1).nonzero().flatten()
+    return torch.where(real.reshape(-1)[where], in_row[where], -1)

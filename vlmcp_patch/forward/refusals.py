@@ -73,7 +73,7 @@ def first_refusal(model, cp: CPGroup, call: dict, reading: BatchReading, packed:
         shape = _check_tokens(model, call)
         kept = _kept_logits(model, call, shape, reading.real) if keeps_logits else None
         _check_labels(model, call, shape, kept)
-        _check_vision(model, call, reading.placeholders, reading.real)
+        _check_vision(model, call, reading.placeholders)
         _check_position_shape(call, shape)
         (_check_packed_row if packed else _check_ordinary_batch)(model, call, shape, reading)
     except Rejected as rejected:
@@ -243,7 +243,7 @@ def _check_grid(grid: torch.Tensor, name: str, merge: int) -> None:
                f"{grid.tolist()}")
 
 
-def _check_vision(model, call: dict, placeholders: dict[str, torch.Tensor], real: torch.Tensor | None) -> None:
+def _check_vision(model, call: dict, placeholders: dict[str, torch.Tensor]) -> None:
     vision = getattr(model.config, "vision_config", None)
     if vision is None:
         return
@@ -264,15 +264,6 @@ def _check_vision(model, call: dict, placeholders: dict[str, torch.Tensor], real
         if expected != found:
             reject(f"{kind} features and {kind} tokens do not match: {grid_key} gives {expected} {kind} tokens but "
                    f"the tokens hold {found}; build input_ids with the same processor as the {pixels_key}.")
-        padding = 0 if real is None else int((placeholders[kind] & ~real).sum())
-        if padding:
-            # LLaMA-Factory's collator gives a batch without images a fake one whose tokens are padding (so that DDP
-            # sees the tower used): stock scatters its features to those positions, where they reach no loss
-            reject(f"{padding} of the {found} {kind} tokens are padding (attention_mask 0): the package's path drops "
-                   f"padding, and their {kind} features would have no token to go to (stock places them there, with no "
-                   "effect on the loss). Not supported under CP yet: give images only to real tokens (LLaMA-Factory "
-                   "adds such a fake image to batches without images), or run with VLMCP_CP_SIZE=1.",
-                   UnsupportedSetupError)
 
 
 def _check_position_shape(call: dict, shape: tuple[int, int]) -> None:

@@ -226,10 +226,12 @@ def route_to_owners(local: torch.Tensor, held: list[torch.Tensor], owner: torch.
     to the ranks whose slices hold their tokens: returns the rows of this rank's tokens, in token order.
 
     `held[r]`: the merged tokens rank r encoded (every token exactly once over the ranks); `owner[k]`: the rank
-    whose slice holds token k."""
+    whose slice holds token k, -1 for a token on padding (not in the row: its feature goes to no rank, its rows of
+    `local` get a zero gradient, as stock's feature placed on padding does)."""
     destination = owner[held[cp.rank]]
-    send_order = torch.argsort(destination, stable=True)
-    send_counts = torch.bincount(destination, minlength=cp.size).tolist()
+    sent = (destination >= 0).nonzero().flatten()
+    send_order = sent[torch.argsort(destination[sent], stable=True)]
+    send_counts = torch.bincount(destination[sent], minlength=cp.size).tolist()
     arriving = [tokens[owner[tokens] == cp.rank] for tokens in held]  # from each rank, in its send order
     received = exchange_rows(local.index_select(0, send_order.to(local.device)), send_counts,
                              [t.numel() for t in arriving], cp.group)
