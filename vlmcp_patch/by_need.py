@@ -31,7 +31,7 @@ At every CP forward, before any compute (`choose_switches`, called by `forward.t
    other points of the backward than stock, and ZeRO-1/2 fill their buckets in that arrival order, so every rank
    whose gradients are reduced together must run the same of those switches (`ORDERED`; the vision tiles are not
    among them: `vision_tiles.one_order_required`). The union over the world (the data-parallel replicas of the CP
-   groups: the ranks DDP, DeepSpeed and FSDP2 reduce over) is taken: one all-reduce (MAX) of three numbers, issued
+   groups: the ranks DDP, DeepSpeed and FSDP2 reduce over) is taken: one all-reduce (MAX) of four numbers, issued
    by every rank in every CP forward of a data-parallel step with a graph (`replica_step`: a wrapper's forward,
    which every replica runs together; a forward some replicas run alone agrees nothing over the world), after the
    group's room's (one collective could serve both — every rank's fit of every set at its group's slot, MIN over
@@ -45,11 +45,11 @@ At every CP forward, before any compute (`choose_switches`, called by `forward.t
    switch is on, one tile included (`tiles.py`), so the switches alone set the arrival order, not the rows.
 
 Deciding at every forward with a graph (not only the first; a forward without one runs with the last choice, no
-collective) costs one all-reduce of two numbers (the rooms) in the group, three numbers' over the world (in a data-parallel
-step)
-and a few microseconds of arithmetic, and follows what the first step cannot see: an optimizer that creates its states at its
-first step leaves less room from the second forward on, and a longer row later is priced as itself. Every rank of a
-group has the same row (the agreement checks it) and the same agreed room, so every rank takes the same decision.
+collective) costs one all-reduce of two numbers (the rooms) in the group, four numbers' over the world (in a
+data-parallel step) and a few microseconds of arithmetic, and follows what the first step cannot see: an optimizer
+that creates its states at its first step leaves less room from the second forward on, and a longer row later is
+priced as itself. Every rank of a group has the same row (the agreement checks it) and the same agreed room, so every
+rank takes the same decision.
 
 The choice returned is the forward's own: the forward freezes it into its `CPContext`, and everything that forward
 built reads it there, in forward and in its recomputation in backward (`switches.py`), whatever a later forward chose.

@@ -490,8 +490,9 @@ def transformers_offload(layer: torch.nn.Module) -> bool:
 
 
 def offload_in_effect(model: torch.nn.Module) -> str | None:
-    """Who keeps `model`'s checkpoints on the host, for the CP line and the plan: this pool ("VLMCP_OFFLOAD_CHECKPOINTS",
-    saying so where transformers' offload is set aside), transformers' `offload=True`, or nobody (None)."""
+    """Who keeps `model`'s checkpoints on the host, for the CP line and the plan: this pool
+    ("VLMCP_OFFLOAD_CHECKPOINTS", saying so where transformers' offload is set aside), transformers' `offload=True`,
+    or nobody (None)."""
     theirs = any(transformers_offload(m) for m in model.modules())
     if SETTINGS.offload_checkpoints:
         return "VLMCP_OFFLOAD_CHECKPOINTS" + (" (transformers' offload=True set aside)" if theirs else "")

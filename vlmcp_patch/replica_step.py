@@ -97,9 +97,9 @@ def replica_step(model: torch.nn.Module) -> ReplicaStep | None:
     return step
 
 
-# The switches that set when a parameter's gradient arrives in backward (`by_need`'s module docstring, 4.): the replicas agree on
-# them. Not the head's chunk, nor the vision tiles: where the order matters every tower call runs through one
-# recomputed function, tiled or not (`vision_tiles.one_order_required`).
+# The switches that set when a parameter's gradient arrives in backward (`by_need`'s module docstring, 4.): the
+# replicas agree on them. Not the head's chunk, nor the vision tiles: where the order matters every tower call runs
+# through one recomputed function, tiled or not (`vision_tiles.one_order_required`).
 ORDERED = ("norms", "mlp")
 
 
@@ -118,11 +118,11 @@ class Stopped:
 
 def agreed_over_replicas(switches: Switches, stopped: int, device: torch.device) -> tuple[Switches, Stopped | None]:
     """(`switches` with every `ORDERED` switch any replica runs, the last replica that stopped before compute or None)
-    — `by_need`'s module docstring, 4. `stopped`: 0, or why this replica stops (`DOES_NOT_FIT`, `RAISED`). One all-reduce (MAX)
-    of four numbers over the world (`distributed.world_group`: every rank, in a group of its own so it never
-    interleaves with the wrappers' gradient reductions), through the package's collective wrapper, on `device`.
-    Issued by every rank, stopped or not, at the same point; with one replica the CP group has agreed already:
-    nothing to issue."""
+    — `by_need`'s module docstring, 4. `stopped`: 0, or why this replica stops (`DOES_NOT_FIT`, `RAISED`). One
+    all-reduce (MAX) of four numbers over the world (`distributed.world_group`: every rank, in a group of its own so it
+    never interleaves with the wrappers' gradient reductions), through the package's collective wrapper, on
+    `device`. Issued by every rank, stopped or not, at the same point; with one replica the CP group has agreed
+    already: nothing to issue."""
     if data_parallel_world_size() == 1:
         return switches, Stopped(0, stopped) if stopped else None
     replica = data_parallel_rank() + 1 if stopped else 0  # 1 + the replica's index: the MAX names the last stopped
